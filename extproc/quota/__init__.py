@@ -1,0 +1,1 @@
+"""Quota backends: one interface, a Redis implementation and an in-memory one."""

@@ -1,0 +1,106 @@
+"""The interface every quota backend implements.
+
+Semantics shared by all backends (the conformance suite in tests/quota proves them):
+
+* Every counter is an epoch-aligned fixed window (like envoyproxy/ratelimit): the window
+  of a charge starts at ``now - now % window_s``, where ``now`` is the backend's clock
+  (Redis ``TIME`` for Redis, never the processor's clock).
+* ``admit`` checks and charges, all or none, 1 request on every ``request_counters`` entry
+  and ``tokens`` on every ``token_counters`` entry. In mode ``count_refused_attempts`` the
+  request counters are charged even when the verdict is a refusal (token counters never
+  are); otherwise a refusal charges nothing at all.
+* ``admit`` is idempotent on ``reservation_key`` (one key per tenant and request id): a
+  replay returns the first verdict, marked ``replayed``, and charges nothing.
+* ``reserve`` adds to an admitted reservation (a lease batch), idempotent on ``seq``.
+* ``settle`` commits ``used`` tokens and refunds the rest of the reservation, once. The
+  refund is taken back from the newest windows first (the last batches are the unused ones);
+  a window that has already ended and expired is not refunded (its key is gone, and a rate
+  window that has passed cannot be given back), and ``used`` above the reservation is
+  charged to the current window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+CounterKind = Literal["rpm", "tpm", "tenant_tpm", "daily"]
+
+
+@dataclass(frozen=True, slots=True)
+class Counter:
+    """One fixed-window limit. ``key`` is a prefix; the backend appends the window start."""
+
+    kind: CounterKind
+    key: str
+    limit: int
+    window_s: int
+
+
+@dataclass(frozen=True, slots=True)
+class CounterState:
+    """A counter as seen after a charge, for X-RateLimit-* headers and Retry-After."""
+
+    kind: CounterKind
+    limit: int
+    remaining: int  # never negative
+    reset_s: float  # seconds until this counter's window ends
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    admitted: bool
+    # Kind of the counter that refused; None when admitted.
+    refused_by: CounterKind | None = None
+    # One state per counter of the request, request counters first, in the order given.
+    states: tuple[CounterState, ...] = ()
+    replayed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Result of a lease batch: ``granted`` is 0 (refused) or between minimum and amount."""
+
+    granted: int
+    states: tuple[CounterState, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    reserved: int  # total reserved over the request's life (admission + batches)
+    used: int
+    refunded: int  # tokens actually given back to live windows
+    already_settled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    reservation_key: str
+    request_counters: tuple[Counter, ...]
+    token_counters: tuple[Counter, ...]
+    tokens: int
+    count_refused_attempts: bool = True
+    # How long the reservation record outlives an unsettled request (crash safety).
+    record_ttl_s: int = 3600
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class QuotaBackend(Protocol):
+    async def admit(self, request: AdmitRequest) -> Verdict: ...
+
+    async def reserve(
+        self,
+        reservation_key: str,
+        seq: int,
+        token_counters: tuple[Counter, ...],
+        amount: int,
+        minimum: int = 1,
+    ) -> Grant: ...
+
+    async def settle(
+        self, reservation_key: str, token_counters: tuple[Counter, ...], used: int
+    ) -> Settlement: ...
+
+    async def ping(self) -> bool: ...
+
+    async def close(self) -> None: ...

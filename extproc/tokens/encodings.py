@@ -1,0 +1,174 @@
+"""Offline loading of real tokenizer files.
+
+tiktoken's default loader downloads its BPE files; these machines (and most production
+sidecars) have no network, so every encoding is built from a file shipped in
+``extproc/tokens/data`` and checked against the sha256 that tiktoken itself expects.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import tiktoken
+
+DATA_DIR = Path(__file__).parent / "data"
+
+# Pattern strings and special tokens as published in tiktoken_ext/openai_public.py (MIT).
+_O200K_PAT = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+_CL100K_PAT = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _TiktokenSpec:
+    file: str
+    sha256: str  # of the unpacked file, as tiktoken_ext checks it
+    pat_str: str
+    special_tokens: dict[str, int]
+
+
+TIKTOKEN_SPECS: dict[str, _TiktokenSpec] = {
+    "o200k_base": _TiktokenSpec(
+        "o200k_base.tiktoken.gz",
+        "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+        _O200K_PAT,
+        {"<|endoftext|>": 199999, "<|endofprompt|>": 200018},
+    ),
+    "cl100k_base": _TiktokenSpec(
+        "cl100k_base.tiktoken.gz",
+        "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
+        _CL100K_PAT,
+        {
+            "<|endoftext|>": 100257,
+            "<|fim_prefix|>": 100258,
+            "<|fim_middle|>": 100259,
+            "<|fim_suffix|>": 100260,
+            "<|endofprompt|>": 100276,
+        },
+    ),
+}
+
+
+class TokenizerLoadError(RuntimeError):
+    """A tokenizer file is missing, corrupt, or of an unknown kind."""
+
+
+class TextTokenizer(Protocol):
+    """The two operations every caller needs, whatever library backs the tokenizer."""
+
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class TiktokenTokenizer:
+    """A tiktoken encoding; special-token text is counted as ordinary text, never as control."""
+
+    def __init__(self, encoding: tiktoken.Encoding) -> None:
+        self.name = encoding.name
+        self.encoding = encoding
+
+    def encode(self, text: str) -> list[int]:
+        # disallowed_special=() so user text containing "<|endoftext|>" is counted, not rejected.
+        return self.encoding.encode(text, disallowed_special=())
+
+    def decode(self, ids: list[int]) -> str:
+        return self.encoding.decode(ids)
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model loaded from a ``.model`` file."""
+
+    def __init__(self, path: Path) -> None:
+        import sentencepiece
+
+        self.name = f"sentencepiece:{path.name}"
+        self.path = path
+        try:
+            self.processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as exc:
+            raise TokenizerLoadError(f"cannot load SentencePiece model {path}: {exc}") from exc
+
+    def encode(self, text: str) -> list[int]:
+        return self.processor.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.processor.decode(ids)
+
+
+def _read_ranks(spec: _TiktokenSpec, data_dir: Path) -> dict[bytes, int]:
+    path = data_dir / spec.file
+    try:
+        raw = path.read_bytes()
+        blob = gzip.decompress(raw) if path.suffix == ".gz" else raw
+    except (OSError, gzip.BadGzipFile) as exc:
+        raise TokenizerLoadError(f"cannot read {path}: {exc}") from exc
+    digest = hashlib.sha256(blob).hexdigest()
+    if digest != spec.sha256:
+        raise TokenizerLoadError(f"{path}: sha256 {digest} does not match {spec.sha256}")
+    ranks: dict[bytes, int] = {}
+    import base64
+
+    for line in blob.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+_cache: dict[str, TextTokenizer] = {}
+_lock = threading.Lock()
+
+
+def load_tokenizer(spec: str, data_dir: Path = DATA_DIR) -> TextTokenizer:
+    """Load (once per process) ``o200k_base``, ``cl100k_base`` or a SentencePiece ``.model`` path.
+
+    Raises TokenizerLoadError; never touches the network.
+    """
+    key = f"{data_dir}|{spec}"
+    with _lock:
+        cached = _cache.get(key)
+        if cached is not None:
+            return cached
+        tokenizer: TextTokenizer
+        if spec in TIKTOKEN_SPECS:
+            tspec = TIKTOKEN_SPECS[spec]
+            encoding = tiktoken.Encoding(
+                name=spec,
+                pat_str=tspec.pat_str,
+                mergeable_ranks=_read_ranks(tspec, data_dir),
+                special_tokens=tspec.special_tokens,
+            )
+            tokenizer = TiktokenTokenizer(encoding)
+        elif spec.endswith(".model"):
+            path = Path(spec)
+            if not path.is_absolute() and not path.exists():
+                path = data_dir / path
+            if not path.is_file():
+                raise TokenizerLoadError(f"SentencePiece model not found: {spec}")
+            tokenizer = SentencePieceTokenizer(path)
+        else:
+            raise TokenizerLoadError(
+                f"unknown tokenizer {spec!r}: expected o200k_base, cl100k_base or a .model path"
+            )
+        _cache[key] = tokenizer
+        return tokenizer
