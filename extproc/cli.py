@@ -1,0 +1,77 @@
+"""``extproc serve`` and ``extproc check-config``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import orjson
+import structlog
+
+from extproc.config import ConfigError, load_config
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(format="%(message)s", stream=sys.stderr, level=level.upper())
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(serializer=lambda o, **_: orjson.dumps(o).decode()),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="extproc", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the ext_proc gRPC server")
+    serve.add_argument("--config", required=True)
+    serve.add_argument("--listen", help="override the config's listen address (host:port)")
+    serve.add_argument("--redis-url", help="override the config's redis_url")
+    serve.add_argument("--metrics-listen", help="host:port for Prometheus /metrics (off if unset)")
+    serve.add_argument("--log-level", default="info")
+    check = sub.add_parser("check-config", help="validate a config, print its normal form and hash")
+    check.add_argument("config")
+    args = parser.parse_args(argv)
+
+    if args.command == "check-config":
+        try:
+            config = load_config(args.config)
+        except ConfigError as exc:
+            print(f"invalid config: {exc}", file=sys.stderr)
+            return 2
+        sys.stdout.write(
+            orjson.dumps(
+                {"config_hash": config.hash, "config": config.normalised},
+                option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS,
+            ).decode()
+            + "\n"
+        )
+        return 0
+
+    _configure_logging(args.log_level)
+    overrides = {"listen": args.listen, "redis_url": args.redis_url}
+    try:
+        config = load_config(args.config, {k: v for k, v in overrides.items() if v})
+    except ConfigError as exc:
+        print(f"invalid config: {exc}", file=sys.stderr)
+        return 2
+    from extproc.transport.server import serve as run_server
+
+    try:
+        asyncio.run(run_server(config, args.metrics_listen))
+    except RuntimeError as exc:
+        print(f"extproc: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

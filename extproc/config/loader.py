@@ -1,0 +1,329 @@
+"""YAML → validated ``Config``; every error names the field that is wrong."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+
+from extproc.config.schema import (
+    Config,
+    ConfigError,
+    LimitSpec,
+    ModelSpec,
+    PlanSpec,
+    TenantSpec,
+)
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_TOP_KEYS = {
+    "listen",
+    "redis_url",
+    "key_prefix",
+    "max_body_bytes",
+    "rpm_counts",
+    "shutdown_grace_s",
+    "stream_idle_timeout_s",
+    "image_tokens",
+    "default_model",
+    "tokenizers",
+    "models",
+    "plans",
+    "tenants",
+}
+_PLAN_KEYS = {
+    "limits",
+    "window_s",
+    "tenant_tpm",
+    "daily_tokens",
+    "charge_mode",
+    "batch_tokens",
+    "on_exhaustion",
+}
+_OVERRIDE_KEYS = _PLAN_KEYS - {"window_s"}
+_LIMIT_KEYS = {"rpm", "tpm", "batch_tokens"}
+_MODEL_KEYS = {"aliases", "tokenizer", "max_tokens", "default_max_tokens"}
+_TENANT_KEYS = {"plan", "key_sha256", "overrides"}
+
+
+def _mapping(value: Any, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(path, f"must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _known(doc: dict[str, Any], allowed: set[str], path: str) -> None:
+    for key in doc:
+        if key not in allowed:
+            raise ConfigError(f"{path}.{key}" if path else str(key), "unknown field")
+
+
+def _int(value: Any, path: str, *, minimum: int = 1, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(path, f"must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _number(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(path, f"must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _choice(value: Any, path: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(path, f"must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _str(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(path, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _limits(doc: Any, path: str) -> dict[str, LimitSpec]:
+    out: dict[str, LimitSpec] = {}
+    for model, entry in _mapping(doc, path).items():
+        epath = f"{path}.{model}"
+        entry = _mapping(entry, epath)
+        _known(entry, _LIMIT_KEYS, epath)
+        out[str(model)] = LimitSpec(
+            rpm=_int(entry.get("rpm"), f"{epath}.rpm", optional=True),
+            tpm=_int(entry.get("tpm"), f"{epath}.tpm", optional=True),
+            batch_tokens=_int(entry.get("batch_tokens"), f"{epath}.batch_tokens", optional=True),
+        )
+    return out
+
+
+def _plan(name: str, doc: Any, path: str, base: PlanSpec | None = None) -> PlanSpec:
+    doc = _mapping(doc, path)
+    _known(doc, _PLAN_KEYS if base is None else _OVERRIDE_KEYS, path)
+
+    def pick(key: str, default: Any) -> Any:
+        if key in doc:
+            return doc[key]
+        return getattr(base, key) if base is not None else default
+
+    limits = dict(base.limits) if base is not None else {}
+    if "limits" in doc:
+        limits.update(_limits(doc["limits"], f"{path}.limits"))
+    elif base is None:
+        raise ConfigError(f"{path}.limits", "is required (use '*' for every model)")
+    return PlanSpec(
+        name=name,
+        limits=limits,
+        window_s=_int(pick("window_s", 60), f"{path}.window_s"),  # type: ignore[arg-type]
+        tenant_tpm=_int(pick("tenant_tpm", None), f"{path}.tenant_tpm", optional=True),
+        daily_tokens=_int(pick("daily_tokens", None), f"{path}.daily_tokens", optional=True),
+        charge_mode=_choice(  # type: ignore[arg-type]
+            pick("charge_mode", "incremental"),
+            f"{path}.charge_mode",
+            ("incremental", "reserve_max"),
+        ),
+        batch_tokens=_int(pick("batch_tokens", 32), f"{path}.batch_tokens"),  # type: ignore[arg-type]
+        on_exhaustion=_choice(  # type: ignore[arg-type]
+            pick("on_exhaustion", "error"), f"{path}.on_exhaustion", ("error", "truncate")
+        ),
+    )
+
+
+def _model(name: str, doc: Any, path: str) -> ModelSpec:
+    doc = _mapping(doc or {}, path)
+    _known(doc, _MODEL_KEYS, path)
+    aliases = doc.get("aliases", [])
+    if not isinstance(aliases, list):
+        raise ConfigError(f"{path}.aliases", "must be a list of names")
+    max_tokens = _int(doc.get("max_tokens", 4096), f"{path}.max_tokens")
+    default_max = _int(
+        doc.get("default_max_tokens", min(1024, max_tokens)), f"{path}.default_max_tokens"
+    )
+    if default_max > max_tokens:  # type: ignore[operator]
+        raise ConfigError(
+            f"{path}.default_max_tokens", f"must not exceed max_tokens ({max_tokens})"
+        )
+    tokenizer = doc.get("tokenizer")
+    return ModelSpec(
+        name=name,
+        aliases=tuple(_str(a, f"{path}.aliases[{i}]") for i, a in enumerate(aliases)),
+        tokenizer=None if tokenizer is None else _str(tokenizer, f"{path}.tokenizer"),
+        max_tokens=max_tokens,  # type: ignore[arg-type]
+        default_max_tokens=default_max,  # type: ignore[arg-type]
+    )
+
+
+def _tenant(tenant_id: str, doc: Any, path: str, plans: dict[str, PlanSpec]) -> TenantSpec:
+    doc = _mapping(doc, path)
+    _known(doc, _TENANT_KEYS, path)
+    plan_name = _str(doc.get("plan"), f"{path}.plan")
+    if plan_name not in plans:
+        raise ConfigError(f"{path}.plan", f"unknown plan {plan_name!r}")
+    hashes = doc.get("key_sha256", [])
+    if isinstance(hashes, str):
+        hashes = [hashes]
+    if not isinstance(hashes, list) or not hashes:
+        raise ConfigError(f"{path}.key_sha256", "must list at least one SHA-256 hex digest")
+    for i, digest in enumerate(hashes):
+        if not isinstance(digest, str) or not _SHA256.match(digest.lower()):
+            raise ConfigError(
+                f"{path}.key_sha256[{i}]", "must be 64 hex characters (sha256 of the key)"
+            )
+    plan = plans[plan_name]
+    if "overrides" in doc:
+        plan = _plan(plan_name, doc["overrides"], f"{path}.overrides", base=plan)
+    return TenantSpec(id=tenant_id, plan=plan, key_sha256=tuple(h.lower() for h in hashes))
+
+
+def parse_config(doc: Any) -> Config:
+    """Validate a loaded YAML document. Raises ConfigError naming the first wrong field."""
+    doc = _mapping(doc, "(top level)")
+    _known(doc, _TOP_KEYS, "")
+    models = {
+        str(name): _model(str(name), spec, f"models.{name}")
+        for name, spec in _mapping(doc.get("models"), "models").items()
+    }
+    index: dict[str, ModelSpec] = {}
+    for spec in models.values():
+        for name in (spec.name, *spec.aliases):
+            if name in index and index[name] is not spec:
+                raise ConfigError(f"models.{spec.name}", f"name or alias {name!r} used twice")
+            index[name] = spec
+    plans = {
+        str(name): _plan(str(name), spec, f"plans.{name}")
+        for name, spec in _mapping(doc.get("plans"), "plans").items()
+    }
+    for plan in plans.values():
+        for model in plan.limits:
+            if model != "*" and model not in models:
+                raise ConfigError(f"plans.{plan.name}.limits.{model}", "is not a configured model")
+    tenants = {
+        str(tid): _tenant(str(tid), spec, f"tenants.{tid}", plans)
+        for tid, spec in _mapping(doc.get("tenants"), "tenants").items()
+    }
+    seen: dict[str, str] = {}
+    for tenant in tenants.values():
+        for digest in tenant.key_sha256:
+            if digest in seen:
+                raise ConfigError(
+                    f"tenants.{tenant.id}.key_sha256", f"key also used by {seen[digest]}"
+                )
+            seen[digest] = tenant.id
+    default_model = doc.get("default_model")
+    if default_model is not None and default_model not in models:
+        raise ConfigError("default_model", f"{default_model!r} is not a configured model")
+    tokenizers = doc.get("tokenizers")
+    if tokenizers is not None:
+        if not isinstance(tokenizers, list):
+            raise ConfigError("tokenizers", "must be a list of {match, tokenizer} rules")
+        for i, rule in enumerate(tokenizers):
+            rule = _mapping(rule, f"tokenizers[{i}]")
+            _str(rule.get("match"), f"tokenizers[{i}].match")
+            _str(rule.get("tokenizer"), f"tokenizers[{i}].tokenizer")
+        tokenizers = tuple(dict(r) for r in tokenizers)
+    redis_url = _str(doc.get("redis_url", "memory://"), "redis_url")
+    if not redis_url.startswith(("redis://", "rediss://", "unix://", "memory://")):
+        raise ConfigError("redis_url", "must start with redis://, rediss://, unix:// or memory://")
+
+    config = Config(
+        listen=_str(doc.get("listen", "127.0.0.1:50051"), "listen"),
+        redis_url=redis_url,
+        key_prefix=_str(doc.get("key_prefix", "tq"), "key_prefix"),
+        max_body_bytes=_int(doc.get("max_body_bytes", 1 << 20), "max_body_bytes"),  # type: ignore[arg-type]
+        rpm_counts=_choice(
+            doc.get("rpm_counts", "attempts"), "rpm_counts", ("attempts", "admitted")
+        ),  # type: ignore[arg-type]
+        shutdown_grace_s=_number(doc.get("shutdown_grace_s", 10), "shutdown_grace_s"),
+        stream_idle_timeout_s=_number(
+            doc.get("stream_idle_timeout_s", 60), "stream_idle_timeout_s"
+        ),
+        image_tokens=_int(doc.get("image_tokens", 765), "image_tokens", minimum=0),  # type: ignore[arg-type]
+        default_model=default_model,
+        tokenizers=tokenizers,
+        models=models,
+        plans=plans,
+        tenants=tenants,
+        model_index=index,
+    )
+    normalised = _normalise(config)
+    digest = hashlib.sha256(orjson.dumps(normalised, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    object.__setattr__(config, "normalised", normalised)
+    object.__setattr__(config, "hash", digest)
+    return config
+
+
+def _normalise(config: Config) -> dict[str, Any]:
+    """A canonical plain form: defaults filled in, overrides merged, secrets only as hashes."""
+
+    def limits(spec: dict[str, LimitSpec]) -> dict[str, Any]:
+        return {
+            k: {"rpm": v.rpm, "tpm": v.tpm, "batch_tokens": v.batch_tokens}
+            for k, v in sorted(spec.items())
+        }
+
+    def plan(p: PlanSpec) -> dict[str, Any]:
+        return {
+            "limits": limits(p.limits),
+            "window_s": p.window_s,
+            "tenant_tpm": p.tenant_tpm,
+            "daily_tokens": p.daily_tokens,
+            "charge_mode": p.charge_mode,
+            "batch_tokens": p.batch_tokens,
+            "on_exhaustion": p.on_exhaustion,
+        }
+
+    return {
+        "listen": config.listen,
+        "redis_url": _redact(config.redis_url),
+        "key_prefix": config.key_prefix,
+        "max_body_bytes": config.max_body_bytes,
+        "rpm_counts": config.rpm_counts,
+        "shutdown_grace_s": config.shutdown_grace_s,
+        "stream_idle_timeout_s": config.stream_idle_timeout_s,
+        "image_tokens": config.image_tokens,
+        "default_model": config.default_model,
+        "tokenizers": list(config.tokenizers) if config.tokenizers is not None else None,
+        "models": {
+            m.name: {
+                "aliases": sorted(m.aliases),
+                "tokenizer": m.tokenizer,
+                "max_tokens": m.max_tokens,
+                "default_max_tokens": m.default_max_tokens,
+            }
+            for m in sorted(config.models.values(), key=lambda m: m.name)
+        },
+        "plans": {name: plan(p) for name, p in sorted(config.plans.items())},
+        "tenants": {
+            t.id: {
+                "plan": plan(t.plan),
+                "plan_name": t.plan.name,
+                "key_sha256": sorted(t.key_sha256),
+            }
+            for t in sorted(config.tenants.values(), key=lambda t: t.id)
+        },
+    }
+
+
+def _redact(url: str) -> str:
+    """Drop the password from a Redis URL so the normalised form can be printed and logged."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    """Load and validate a YAML file; ``overrides`` replace top-level fields (CLI flags)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read: {exc.strerror}") from exc
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), f"invalid YAML: {exc}") from exc
+    if overrides and isinstance(doc, dict):
+        doc = {**doc, **overrides}
+    return parse_config(doc)

@@ -1,0 +1,160 @@
+"""One HTTP exchange as Envoy shows it to the processor: one gRPC stream, one session.
+
+The session turns each ProcessingRequest into exactly one ProcessingResponse (FULL_DUPLEX
+body messages included) and owns the request's lifetime: admission on the request body,
+billing on the response body, and settlement exactly once — at end of stream, on Envoy's
+cancellation, on an upstream error, on the idle watchdog, or at shutdown.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING
+
+import structlog
+
+from extproc.admission.errors import ApiError, invalid_request
+from extproc.admission.gate import Admission, Admitted
+from extproc.admission.identity import UNTRUSTED_HEADERS
+from extproc.admission.ratelimit_headers import ratelimit_headers
+from extproc.admission.request import METERED_PATHS
+from extproc.billing.meter import ResponseMeter
+from extproc.transport import messages as msg
+
+if TYPE_CHECKING:
+    from extproc.config import TenantSpec
+    from extproc.runtime import Runtime
+
+log = structlog.get_logger("extproc.session")
+
+
+class Session:
+    __slots__ = (
+        "admitted",
+        "last_activity",
+        "meter",
+        "path",
+        "request_id",
+        "runtime",
+        "tenant",
+        "upstream_status",
+    )
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.tenant: TenantSpec | None = None
+        self.request_id = ""
+        self.path = ""
+        self.admitted: Admitted | None = None
+        self.meter: ResponseMeter | None = None
+        self.upstream_status = 0
+        self.last_activity = 0.0
+
+    @property
+    def finished(self) -> bool:
+        """The client's response was ended by the meter (cut-off or timeout)."""
+        return self.meter is not None and self.meter.finished
+
+    async def on_idle_timeout(self) -> msg.ProcessingResponse | None:
+        if self.meter is None:
+            return None
+        out = await self.meter.on_idle_timeout()
+        return None if out is None else msg.stream_response_body(out, True)
+
+    @property
+    def admission(self) -> Admission:
+        return self.runtime.admission
+
+    async def handle(self, request: msg.ProcessingRequest) -> msg.ProcessingResponse | None:
+        """Answer one message; None means nothing is to be sent (stream already ended)."""
+        kind = request.WhichOneof("request")
+        if kind == "response_body":
+            body = request.response_body
+            self.runtime.metrics.body_messages_total += 1
+            if self.meter is None:
+                return msg.stream_response_body(body.body, body.end_of_stream)
+            out, end = await self.meter.on_body(body.body, body.end_of_stream)
+            if out is None:
+                return None
+            return msg.stream_response_body(out, end)
+        if kind == "request_headers":
+            return self._on_request_headers(request.request_headers)
+        if kind == "request_body":
+            return await self._on_request_body(request.request_body)
+        if kind == "response_headers":
+            return self._on_response_headers(request.response_headers)
+        if kind == "response_trailers":
+            if self.meter is not None:
+                await self.meter.on_trailers()
+            return msg.continue_response_trailers()
+        if kind == "request_trailers":
+            return msg.ProcessingResponse(request_trailers=msg.pb.TrailersResponse())
+        log.warning("unexpected_message", kind=kind)
+        return None
+
+    def _on_request_headers(self, http: msg.pb.HttpHeaders) -> msg.ProcessingResponse:
+        headers = msg.header_map(http)
+        self.path = headers.get(":path", "").split("?", 1)[0]
+        self.request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            self.tenant = self.admission.authenticate(headers)
+            method = headers.get(":method", "GET")
+            if method == "POST" and self.path not in METERED_PATHS:
+                raise ApiError(
+                    404,
+                    f"Unknown or unmetered endpoint: POST {self.path}",
+                    "invalid_request_error",
+                    "unknown_url",
+                )
+            if method == "POST" and http.end_of_stream:
+                raise invalid_request("The request has no body.", "missing_body")
+        except ApiError as error:
+            self.runtime.metrics.refusal(error.code or error.type)
+            return msg.immediate(error)
+        # Identity and cost are the gateway's to state; whatever the client claimed is dropped.
+        return msg.continue_request_headers(
+            msg.mutation(
+                set_headers=[("x-tenant-id", self.tenant.id)],
+                remove=[h for h in UNTRUSTED_HEADERS if h != "x-tenant-id" and h in headers],
+            )
+        )
+
+    async def _on_request_body(self, http: msg.pb.HttpBody) -> msg.ProcessingResponse:
+        endpoint = METERED_PATHS.get(self.path)
+        if self.tenant is None or endpoint is None:
+            return msg.continue_request_body()
+        try:
+            admitted = await self.admission.admit(self.tenant, endpoint, self.request_id, http.body)
+        except ApiError as error:
+            self.runtime.metrics.refusal(error.code or error.type)
+            return msg.immediate(error)
+        self.admitted = admitted
+        self.meter = ResponseMeter(admitted, self.runtime)
+        self.runtime.open_sessions.add(self)
+        self.runtime.metrics.admitted_total += 1
+        new_body = admitted.request.new_body
+        headers = None
+        if new_body is not None:
+            # BUFFERED + SEND headers: content-length is the processor's to keep right.
+            headers = msg.mutation(set_headers=[("content-length", str(len(new_body)))])
+        return msg.continue_request_body(new_body, headers)
+
+    def _on_response_headers(self, http: msg.pb.HttpHeaders) -> msg.ProcessingResponse:
+        headers = msg.header_map(http)
+        try:
+            self.upstream_status = int(headers.get(":status", "0"))
+        except ValueError:
+            self.upstream_status = 0
+        if self.meter is None or self.admitted is None:
+            return msg.continue_response_headers()
+        self.meter.on_headers(self.upstream_status, headers.get("content-type", ""))
+        remove = ["content-length"] if self.meter.may_rewrite_body else []
+        return msg.continue_response_headers(
+            msg.mutation(set_headers=ratelimit_headers(self.meter.states), remove=remove)
+        )
+
+    async def close(self, reason: str) -> None:
+        """End of the gRPC stream for any reason: settle once."""
+        self.runtime.open_sessions.discard(self)
+        if self.meter is not None:
+            await self.meter.settle(reason)

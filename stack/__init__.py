@@ -1,0 +1,1 @@
+"""The local stack: Envoy, simulators, Redis and the processor, started together."""

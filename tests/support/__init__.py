@@ -1,0 +1,1 @@
+"""Helpers that start and stop the real parts tests talk to."""
