@@ -13,7 +13,7 @@ from extproc.config import Config
 from extproc.metrics import Metrics
 from extproc.quota.base import QuotaBackend
 from extproc.quota.factory import backend_from_url
-from extproc.tokens.registry import TokenizerRegistry
+from extproc.tokens.registry import DEFAULT_RULES, TokenizerRegistry, TokenizerRule
 
 if TYPE_CHECKING:
     from extproc.session import Session
@@ -21,15 +21,15 @@ if TYPE_CHECKING:
 log = structlog.get_logger("extproc.runtime")
 
 
-def tokenizer_rules(config: Config) -> list[dict[str, str]] | None:
-    """Per-model tokenizers from ``models`` first (exact names), then the ``tokenizers`` rules."""
-    rules: list[dict[str, str]] = []
-    for model in config.models.values():
-        if model.tokenizer is not None:
-            rules.append({"match": model.name, "tokenizer": model.tokenizer})
-    if config.tokenizers is not None:
-        rules.extend(config.tokenizers)
-    return rules or None
+def tokenizer_rules(config: Config) -> list[TokenizerRule]:
+    """Per-model tokenizers (exact names) first, then ``tokenizers`` rules, then the defaults."""
+    rules = [
+        TokenizerRule(model.name.lower(), model.tokenizer)
+        for model in config.models.values()
+        if model.tokenizer is not None
+    ]
+    rules.extend(TokenizerRule.from_dict(raw, i) for i, raw in enumerate(config.tokenizers or ()))
+    return [*rules, *DEFAULT_RULES]
 
 
 class Runtime:
@@ -37,15 +37,16 @@ class Runtime:
         self.config = config
         self.metrics = Metrics()
         self.backend = backend if backend is not None else backend_from_url(config.redis_url)
-        self.registry = TokenizerRegistry.from_config(tokenizer_rules(config))
+        self.registry = TokenizerRegistry(tokenizer_rules(config))
         self.admission = Admission(config, self.backend, self.registry)
         self.open_sessions: set[Session] = set()
         self._background: set[asyncio.Task[Any]] = set()
 
     def warm_up(self) -> None:
-        """Load every configured model's tokenizer now, not on a client's first request."""
+        """Resolve every configured model's tokenizer now, not on a client's first request."""
         for model in self.config.models:
             self.registry.counter_for(model)
+        self.metrics.tokenizer_fallbacks_total = self.registry.load_failures
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run work that must finish even if the stream that started it is cancelled."""

@@ -76,6 +76,7 @@ class ResponseMeter:
         self.max_output = admitted.request.max_tokens * admitted.request.choices
         self.leased = admitted.output_reserved  # output tokens covered so far
         self.delivered = 0  # output tokens in events forwarded to the client
+        self.counted = 0  # output tokens in every event parsed so far (delivered or not)
         self.seq = 0  # lease batch sequence number (idempotency with the request id)
         self.lease_task: asyncio.Task[None] | None = None
         self.exhausted = False
@@ -191,8 +192,8 @@ class ResponseMeter:
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             # vLLM continuous_usage_stats: the upstream's own running count.
             self.upstream_usage = usage
-            return max(0, usage["completion_tokens"] - self.delivered)
-        total = self.delivered
+            return self._advance(usage["completion_tokens"])
+        total = self.counted
         if isinstance(choices, list):
             for choice in choices:
                 if not isinstance(choice, dict):
@@ -207,7 +208,13 @@ class ResponseMeter:
                         )
                     counter.feed(text)
             total = sum(c.total for c in self._counters.values())
-        return max(0, total - self.delivered)
+        return self._advance(total)
+
+    def _advance(self, total: int) -> int:
+        """The tokens an event adds to the running count (a BPE merge can't make it negative)."""
+        cost = max(0, total - self.counted)
+        self.counted += cost
+        return cost
 
     # -- leases ----------------------------------------------------------------------------
 

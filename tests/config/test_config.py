@@ -1,0 +1,118 @@
+"""The configuration file: validation naming the wrong field, normal form and its hash."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+
+from extproc.config import ConfigError, parse_config
+from stack.envoy import EnvoyPorts, render_bootstrap, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+STACK_CONFIG = ROOT / "stack" / "quota.yaml"
+
+
+def base_doc() -> dict[str, Any]:
+    return yaml.safe_load(STACK_CONFIG.read_text())
+
+
+def test_stack_config_is_valid_and_resolves_aliases_to_one_quota_model() -> None:
+    config = parse_config(base_doc())
+    assert config.resolve_model("my-gpt-alias") is config.resolve_model("gpt-4.1-2025-04-14")
+    assert config.resolve_model("my-gpt-alias").name == "gpt-4.1"
+    assert config.resolve_model("nope") is None
+
+
+def test_tenant_overrides_are_merged_over_the_plan() -> None:
+    doc = base_doc()
+    doc["tenants"]["acme"]["overrides"] = {"limits": {"gpt-4.1": {"rpm": 7}}, "batch_tokens": 128}
+    config = parse_config(doc)
+    plan = config.tenants["acme"].plan
+    assert plan.limits["gpt-4.1"].rpm == 7
+    assert plan.limits["*"].rpm == 20  # inherited from the plan
+    assert plan.batch_tokens == 128
+    assert config.plans["free"].batch_tokens == 32  # the plan itself is untouched
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda d: d["plans"]["free"].update(batch_tokens=0), "plans.free.batch_tokens"),
+        (lambda d: d["plans"]["free"].update(charge_mode="later"), "plans.free.charge_mode"),
+        (lambda d: d["plans"]["free"]["limits"]["*"].update(rpm="ten"), "plans.free.limits.*.rpm"),
+        (lambda d: d["tenants"]["acme"].update(plan="gold"), "tenants.acme.plan"),
+        (lambda d: d["tenants"]["acme"].update(key_sha256=["abc"]), "tenants.acme.key_sha256[0]"),
+        (lambda d: d["models"]["gpt-4.1"].update(default_max_tokens=99999),
+         "models.gpt-4.1.default_max_tokens"),
+        (lambda d: d["models"]["gpt-4o-mini"].update(aliases=["my-gpt-alias"]),
+         "models.gpt-4o-mini"),
+        (lambda d: d.update(redis_url="http://x"), "redis_url"),
+        (lambda d: d.update(colour="blue"), "colour"),
+    ],
+)  # fmt: skip
+def test_invalid_config_error_names_the_wrong_field(mutate: Any, field: str) -> None:
+    doc = base_doc()
+    mutate(doc)
+    with pytest.raises(ConfigError) as info:
+        parse_config(doc)
+    assert info.value.path == field
+
+
+def test_hash_changes_with_any_limit_and_not_with_key_order() -> None:
+    doc = base_doc()
+    same = yaml.safe_load(yaml.safe_dump(doc, sort_keys=True))
+    assert parse_config(doc).hash == parse_config(same).hash
+    doc["plans"]["pro"]["limits"]["*"]["tpm"] += 1
+    assert parse_config(doc).hash != parse_config(same).hash
+
+
+def test_normal_form_hides_the_redis_password() -> None:
+    doc = base_doc()
+    doc["redis_url"] = "rediss://quota:s3cret@redis.internal:6380/2"
+    normalised = orjson.dumps(parse_config(doc).normalised)
+    assert b"s3cret" not in normalised
+
+
+def test_check_config_command_prints_hash_and_exits_non_zero_naming_the_field(
+    tmp_path: Path,
+) -> None:
+    ok = subprocess.run(
+        [sys.executable, "-m", "extproc", "check-config", str(STACK_CONFIG)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    printed = orjson.loads(ok.stdout)
+    assert printed["config_hash"] == parse_config(base_doc()).hash
+    doc = base_doc()
+    doc["plans"]["free"]["window_s"] = -5
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    failed = subprocess.run(
+        [sys.executable, "-m", "extproc", "check-config", str(bad)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert failed.returncode != 0
+    assert "plans.free.window_s" in failed.stderr
+
+
+@pytest.mark.parametrize("processors,backends", [(1, 1), (2, 2)])
+def test_rendered_envoy_bootstrap_passes_envoy_validate(
+    tmp_path: Path, processors: int, backends: int
+) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(
+        render_bootstrap(
+            EnvoyPorts(listen=10000, admin=9901),
+            list(range(50051, 50051 + processors)),
+            list(range(8001, 8001 + backends)),
+        )
+    )
+    result = validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout
