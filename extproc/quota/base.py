@@ -14,9 +14,23 @@ Semantics shared by all backends (the conformance suite in tests/quota proves th
 * ``reserve`` adds to an admitted reservation (a lease batch), idempotent on ``seq``.
 * ``settle`` commits ``used`` tokens and refunds the rest of the reservation, once. The
   refund is taken back from the newest windows first (the last batches are the unused ones);
-  a window that has already ended and expired is not refunded (its key is gone, and a rate
-  window that has passed cannot be given back), and ``used`` above the reservation is
+  a window that has already ended is not refunded (a rate window that has passed cannot be
+  given back; its key expires shortly after it ends), and ``used`` above the reservation is
   charged to the current window.
+
+Refunds across a window boundary, worked through. A request reserves 100 tokens at
+admission in minute W1 and a 50-token batch in minute W2, then settles in W2 with
+``used=40``, so 110 tokens go back, newest window first: all 50 come off W2 (still live),
+and the remaining 60 would come off W1, which has ended, so they are simply not refunded
+(``refunded=50``). W1 keeps its 100: during W1 the tenant really held those tokens and other
+requests were refused against them. Each counter is handled on its own, so a daily counter
+whose window spans both minutes gets the full 110 back. Settling with ``used`` above the
+reservation charges the excess to the current window of every token counter.
+
+Other edges: ``reserve`` on a request that was refused, never admitted, or already settled
+grants 0 and charges nothing; a refused batch records nothing, so its ``seq`` may be tried
+again. ``settle`` without an admitted record (refused, unknown, or expired after
+``record_ttl_s``) charges nothing and returns ``reserved=0``.
 """
 
 from __future__ import annotations
@@ -63,14 +77,19 @@ class Grant:
 
     granted: int
     states: tuple[CounterState, ...] = ()
+    # True when this seq was granted before: the first grant is returned, nothing charged.
+    replayed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Settlement:
     reserved: int  # total reserved over the request's life (admission + batches)
     used: int
-    refunded: int  # tokens actually given back to live windows
+    refunded: int  # tokens actually given back to live windows of the first token counter
     already_settled: bool = False
+    # Tokens given back per token counter, in the order passed to ``settle``: counters
+    # with different windows (minute TPM vs daily) differ after a window boundary.
+    refunded_per_counter: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

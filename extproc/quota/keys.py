@@ -1,0 +1,93 @@
+"""Redis key names for quota counters and reservation records.
+
+Layout (``<t>``, ``<m>`` and ``<id>`` are percent-encoded)::
+
+    <prefix>:{<t>}:c:<kind>:<m>:<window_s>     counter prefix; backends append :<window_start>
+    <prefix>:{<t>}:c:<kind>:*:<window_s>       tenant-wide counter (no model)
+    <prefix>:{<t>}:r:<id>                      reservation record of one request
+
+Why this shape:
+
+* ``{<t>}`` is the only brace pair in a key, so it is the Redis Cluster hash tag: every key of
+  a tenant lives in one slot and a single Lua script may touch all of a request's counters.
+* Names are percent-encoded byte by byte outside ``[A-Za-z0-9._-]``. The encoded form never
+  holds ``:``, ``{``, ``}`` or ``*`` raw, so fields cannot run into each other and the
+  encoding is injective: two different (tenant, model) pairs never share a key.
+* ``*`` marks "no model"; it cannot be the encoding of any model name.
+"""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from extproc.quota.base import CounterKind
+
+DEFAULT_PREFIX = "tq"
+TENANT_WIDE = "*"
+
+_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+_KINDS: frozenset[str] = frozenset(get_args(CounterKind))
+
+
+def encode_name(name: str) -> str:
+    """Percent-encode every UTF-8 byte outside [A-Za-z0-9._-] (``%`` itself included)."""
+    return "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in name.encode("utf-8"))
+
+
+def decode_name(encoded: str) -> str:
+    """Inverse of :func:`encode_name`; used by tools that list keys."""
+    raw = bytearray()
+    i = 0
+    while i < len(encoded):
+        if encoded[i] == "%":
+            raw.append(int(encoded[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw.append(ord(encoded[i]))
+            i += 1
+    return raw.decode("utf-8")
+
+
+def _check_prefix(prefix: str) -> None:
+    # A brace in the prefix would become the hash tag instead of the tenant's.
+    if not prefix or any(c in prefix for c in "{}"):
+        raise ValueError(f"key prefix must be non-empty and brace-free, got {prefix!r}")
+
+
+def tenant_tag(tenant: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """``<prefix>:{<tenant>}``: the part every key of this tenant starts with."""
+    _check_prefix(prefix)
+    if not tenant:
+        # "{}" is not a hash tag for Redis Cluster: keys would scatter over slots.
+        raise ValueError("tenant id must be non-empty")
+    return f"{prefix}:{{{encode_name(tenant)}}}"
+
+
+def counter_key(
+    tenant: str,
+    kind: CounterKind,
+    model: str | None,
+    window_s: int,
+    prefix: str = DEFAULT_PREFIX,
+) -> str:
+    """Prefix of a fixed-window counter; ``model=None`` is a tenant-wide counter."""
+    if kind not in _KINDS:
+        raise ValueError(f"unknown counter kind {kind!r}; expected one of {sorted(_KINDS)}")
+    if model == "":
+        raise ValueError("model must be non-empty; use None for a tenant-wide counter")
+    if window_s <= 0:
+        raise ValueError(f"window_s must be positive, got {window_s}")
+    model_part = TENANT_WIDE if model is None else encode_name(model)
+    return f"{tenant_tag(tenant, prefix)}:c:{kind}:{model_part}:{int(window_s)}"
+
+
+def reservation_key(tenant: str, request_id: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """Key of the record that makes admission, lease batches and settlement idempotent."""
+    if not request_id:
+        raise ValueError("request id must be non-empty")
+    return f"{tenant_tag(tenant, prefix)}:r:{encode_name(request_id)}"
+
+
+def window_key(counter_prefix: str, window_start: int) -> str:
+    """The concrete key of one window of a counter (what both backends store)."""
+    return f"{counter_prefix}:{window_start}"

@@ -1,0 +1,85 @@
+-- Admission: check and charge, all or none, every counter of one request.
+--
+-- KEYS[1]    reservation record (hash) of the request
+-- KEYS[2..]  counter prefixes: request counters first, then token counters
+-- ARGV       n_request, n_token, tokens, count_refused (1|0), record_ttl_s, margin_s,
+--            then kind, limit, window_s for each counter
+-- Reply      {replayed (0|1), verdict, now_s, now_us}
+--            verdict = "admitted,refused_by{,kind,limit,window_s,value,window_start}"
+--
+-- Windows are epoch-aligned and computed from this server's TIME, never the caller's clock.
+-- The concrete keys (prefix:window_start) are not in KEYS, but they share the prefix's hash
+-- tag, so they live in the same Redis Cluster slot as the declared keys.
+local rkey = KEYS[1]
+local t = redis.call('TIME')
+local now_s = tonumber(t[1])
+
+local prior = redis.call('HGET', rkey, 'v')
+if prior then
+  return {1, prior, t[1], t[2]}
+end
+
+local n_req = tonumber(ARGV[1])
+local n = n_req + tonumber(ARGV[2])
+local tokens = tonumber(ARGV[3])
+local count_refused = ARGV[4] == '1'
+local record_ttl = tonumber(ARGV[5])
+local margin = tonumber(ARGV[6])
+
+local keys, starts, values, windows = {}, {}, {}, {}
+local refused_by = ''
+for i = 1, n do
+  local base = 6 + (i - 1) * 3
+  local limit = tonumber(ARGV[base + 2])
+  local window = tonumber(ARGV[base + 3])
+  windows[i] = window
+  starts[i] = now_s - (now_s % window)
+  keys[i] = KEYS[i + 1] .. ':' .. string.format('%d', starts[i])
+  values[i] = tonumber(redis.call('GET', keys[i]) or '0')
+  local cost = tokens
+  if i <= n_req then cost = 1 end
+  if refused_by == '' and values[i] + cost > limit then
+    refused_by = ARGV[base + 1]
+  end
+end
+local admitted = refused_by == ''
+
+local function charge(i, amount)
+  local v = redis.call('INCRBY', keys[i], amount)
+  if v == amount then
+    -- New key (or one refunded to zero): expire shortly after its window ends.
+    redis.call('PEXPIREAT', keys[i], (starts[i] + windows[i] + margin) * 1000)
+  end
+  values[i] = v
+end
+
+if admitted or count_refused then
+  for i = 1, n_req do charge(i, 1) end
+end
+
+local record = {'v'}
+local parts = {admitted and '1' or '0', refused_by}
+if admitted then
+  if tokens > 0 then
+    for i = n_req + 1, n do
+      charge(i, tokens)
+      record[#record + 1] = 'k' .. keys[i]
+      record[#record + 1] = tokens
+    end
+  end
+  record[#record + 1] = 'res'
+  record[#record + 1] = tokens
+end
+for i = 1, n do
+  local base = 6 + (i - 1) * 3
+  parts[#parts + 1] = ARGV[base + 1]
+  parts[#parts + 1] = ARGV[base + 2]
+  parts[#parts + 1] = ARGV[base + 3]
+  parts[#parts + 1] = string.format('%d', values[i])
+  parts[#parts + 1] = string.format('%d', starts[i])
+end
+local verdict = table.concat(parts, ',')
+table.insert(record, 2, verdict)
+redis.call('HSET', rkey, unpack(record))
+redis.call('EXPIRE', rkey, record_ttl)
+return {0, verdict, t[1], t[2]}

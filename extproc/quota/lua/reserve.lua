@@ -1,0 +1,70 @@
+-- Lease batch: add tokens to an admitted, unsettled reservation, once per seq.
+--
+-- KEYS[1]    reservation record (hash)
+-- KEYS[2..]  token counter prefixes
+-- ARGV       seq, amount, minimum, margin_s, then limit, window_s for each counter
+-- Reply      {status, granted, now_s, now_us, value_1, window_start_1, ...}
+--            status: granted | refused | replayed | not_admitted | settled
+--
+-- The grant is min(amount, smallest room left over the counters), or 0 when that is below
+-- minimum: handing out what is left lets concurrent streams use up a budget instead of
+-- each being refused a full batch near the end. A refusal charges and records nothing,
+-- so the same seq may be tried again later.
+local rkey = KEYS[1]
+local t = redis.call('TIME')
+local now_s = tonumber(t[1])
+
+local verdict = redis.call('HGET', rkey, 'v')
+if not verdict or string.sub(verdict, 1, 1) ~= '1' then
+  return {'not_admitted', 0, t[1], t[2]}
+end
+if redis.call('HEXISTS', rkey, 'st') == 1 then
+  return {'settled', 0, t[1], t[2]}
+end
+
+local seq_field = 'q' .. ARGV[1]
+local amount = tonumber(ARGV[2])
+local minimum = tonumber(ARGV[3])
+local margin = tonumber(ARGV[4])
+local n = #KEYS - 1
+
+local keys, starts, values, windows = {}, {}, {}, {}
+local granted = amount
+for i = 1, n do
+  local limit = tonumber(ARGV[3 + 2 * i])
+  local window = tonumber(ARGV[4 + 2 * i])
+  windows[i] = window
+  starts[i] = now_s - (now_s % window)
+  keys[i] = KEYS[i + 1] .. ':' .. string.format('%d', starts[i])
+  values[i] = tonumber(redis.call('GET', keys[i]) or '0')
+  if limit - values[i] < granted then granted = limit - values[i] end
+end
+
+local function reply(status, amount_out)
+  local out = {status, amount_out, t[1], t[2]}
+  for i = 1, n do
+    out[#out + 1] = values[i]
+    out[#out + 1] = starts[i]
+  end
+  return out
+end
+
+local prior = redis.call('HGET', rkey, seq_field)
+if prior then
+  return reply('replayed', tonumber(prior))
+end
+if granted < minimum or granted <= 0 then
+  return reply('refused', 0)
+end
+
+for i = 1, n do
+  local v = redis.call('INCRBY', keys[i], granted)
+  if v == granted then
+    redis.call('PEXPIREAT', keys[i], (starts[i] + windows[i] + margin) * 1000)
+  end
+  values[i] = v
+  redis.call('HINCRBY', rkey, 'k' .. keys[i], granted)
+end
+redis.call('HINCRBY', rkey, 'res', granted)
+redis.call('HSET', rkey, seq_field, granted)
+return reply('granted', granted)

@@ -1,0 +1,243 @@
+"""Quota backend in process memory: the embedded default for a single processor.
+
+Same semantics as the Redis scripts, step for step (the conformance suite runs against
+both). Every method runs to completion without awaiting, so on one event loop each call is
+atomic just like a Lua script; nothing here is shared across threads or processes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from extproc.quota import windows
+from extproc.quota.base import (
+    AdmitRequest,
+    Counter,
+    CounterKind,
+    CounterState,
+    Grant,
+    Settlement,
+    Verdict,
+)
+from extproc.quota.keys import window_key
+
+
+@dataclass(slots=True)
+class _Record:
+    """What the Redis reservation hash holds."""
+
+    admitted: bool
+    refused_by: CounterKind | None
+    # First verdict as (kind, limit, window_s, value, window_start), replayed verbatim.
+    verdict: tuple[tuple[CounterKind, int, int, int, int], ...]
+    expires_at: float
+    reserved: int = 0
+    charged: dict[str, int] = field(default_factory=dict)  # window key -> tokens
+    grants: dict[int, int] = field(default_factory=dict)  # seq -> tokens
+    settlement: Settlement | None = None
+
+
+class MemoryQuotaBackend:
+    def __init__(
+        self, clock: Callable[[], float] = time.time, sweep_interval_s: float = 5.0
+    ) -> None:
+        self._clock = clock
+        self._counters: dict[str, tuple[int, float]] = {}  # window key -> (value, expires_at)
+        self._records: dict[str, _Record] = {}
+        self._sweep_interval_s = sweep_interval_s
+        self._next_sweep = 0.0
+
+    def counters(self) -> dict[str, int]:
+        """Live window keys and their values, as Redis would list them (for inspection)."""
+        now = self._clock()
+        return {k: v for k, (v, exp) in self._counters.items() if exp > now}
+
+    def stored_entries(self) -> tuple[int, int]:
+        """(window counters, reservation records) held, expired or not: the memory in use."""
+        return len(self._counters), len(self._records)
+
+    def _tick(self) -> tuple[float, int]:
+        now = self._clock()
+        if now >= self._next_sweep:
+            # Amortised expiry: one pass every few seconds keeps memory bounded by the live
+            # windows without a timer task.
+            self._counters = {k: e for k, e in self._counters.items() if e[1] > now}
+            self._records = {k: r for k, r in self._records.items() if r.expires_at > now}
+            self._next_sweep = now + self._sweep_interval_s
+        return now, math.floor(now)
+
+    def _get(self, key: str, now: float) -> int:
+        entry = self._counters.get(key)
+        return entry[0] if entry is not None and entry[1] > now else 0
+
+    def _incr(self, key: str, amount: int, start: int, window_s: int, now: float) -> int:
+        entry = self._counters.get(key)
+        if entry is None or entry[1] <= now:
+            entry = (0, start + window_s + windows.EXPIRY_MARGIN_S)
+        value = entry[0] + amount
+        self._counters[key] = (value, entry[1])
+        return value
+
+    def _record(self, key: str, now: float) -> _Record | None:
+        record = self._records.get(key)
+        return record if record is not None and record.expires_at > now else None
+
+    async def admit(self, request: AdmitRequest) -> Verdict:
+        windows.check_admit(request)
+        now, now_s = self._tick()
+        prior = self._record(request.reservation_key, now)
+        if prior is not None:
+            return self._verdict(prior, now, replayed=True)
+
+        counters = request.request_counters + request.token_counters
+        n_req = len(request.request_counters)
+        starts = [windows.window_start(now_s, c.window_s) for c in counters]
+        keys = [window_key(c.key, s) for c, s in zip(counters, starts, strict=True)]
+        values = [self._get(k, now) for k in keys]
+        refused_by: CounterKind | None = None
+        for i, c in enumerate(counters):
+            cost = 1 if i < n_req else request.tokens
+            if values[i] + cost > c.limit:
+                refused_by = c.kind
+                break
+        admitted = refused_by is None
+
+        def charge(i: int, amount: int) -> None:
+            values[i] = self._incr(keys[i], amount, starts[i], counters[i].window_s, now)
+
+        if admitted or request.count_refused_attempts:
+            for i in range(n_req):
+                charge(i, 1)
+        record = _Record(
+            admitted=admitted,
+            refused_by=refused_by,
+            verdict=(),
+            expires_at=now_s + request.record_ttl_s,
+        )
+        if admitted:
+            record.reserved = request.tokens
+            if request.tokens > 0:
+                for i in range(n_req, len(counters)):
+                    charge(i, request.tokens)
+                    record.charged[keys[i]] = request.tokens
+        record.verdict = tuple(
+            (c.kind, c.limit, c.window_s, values[i], starts[i]) for i, c in enumerate(counters)
+        )
+        self._records[request.reservation_key] = record
+        return self._verdict(record, now, replayed=False)
+
+    @staticmethod
+    def _verdict(record: _Record, now: float, replayed: bool) -> Verdict:
+        states = tuple(
+            windows.counter_state(kind, limit, window_s, value, start, now)
+            for kind, limit, window_s, value, start in record.verdict
+        )
+        return Verdict(
+            admitted=record.admitted,
+            refused_by=record.refused_by,
+            states=states,
+            replayed=replayed,
+        )
+
+    async def reserve(
+        self,
+        reservation_key: str,
+        seq: int,
+        token_counters: tuple[Counter, ...],
+        amount: int,
+        minimum: int = 1,
+    ) -> Grant:
+        windows.check_reserve(seq, amount, minimum, token_counters)
+        now, now_s = self._tick()
+        record = self._record(reservation_key, now)
+        if record is None or not record.admitted or record.settlement is not None:
+            return Grant(granted=0)
+
+        starts = [windows.window_start(now_s, c.window_s) for c in token_counters]
+        keys = [window_key(c.key, s) for c, s in zip(token_counters, starts, strict=True)]
+        values = [self._get(k, now) for k in keys]
+
+        def states() -> tuple[CounterState, ...]:
+            return tuple(
+                windows.counter_state(c.kind, c.limit, c.window_s, values[i], starts[i], now)
+                for i, c in enumerate(token_counters)
+            )
+
+        if seq in record.grants:
+            return Grant(granted=record.grants[seq], states=states(), replayed=True)
+        granted = min([amount, *(c.limit - v for c, v in zip(token_counters, values, strict=True))])
+        if granted < minimum:
+            return Grant(granted=0, states=states())
+        for i, c in enumerate(token_counters):
+            values[i] = self._incr(keys[i], granted, starts[i], c.window_s, now)
+            record.charged[keys[i]] = record.charged.get(keys[i], 0) + granted
+        record.reserved += granted
+        record.grants[seq] = granted
+        return Grant(granted=granted, states=states())
+
+    async def settle(
+        self, reservation_key: str, token_counters: tuple[Counter, ...], used: int
+    ) -> Settlement:
+        windows.check_settle(used, token_counters)
+        now, now_s = self._tick()
+        record = self._record(reservation_key, now)
+        if record is not None and record.settlement is not None:
+            first = record.settlement
+            return Settlement(
+                reserved=first.reserved,
+                used=first.used,
+                refunded=first.refunded,
+                already_settled=True,
+                refunded_per_counter=first.refunded_per_counter,
+            )
+        if record is None or not record.admitted:
+            zeros = tuple(0 for _ in token_counters)
+            return Settlement(reserved=0, used=used, refunded=0, refunded_per_counter=zeros)
+
+        refunds: list[int] = []
+        for c in token_counters:
+            head = c.key + ":"
+            charged = sorted(
+                (
+                    (int(k[len(head) :]), amount)
+                    for k, amount in record.charged.items()
+                    if k.startswith(head) and k[len(head) :].isdigit()
+                ),
+                reverse=True,
+            )
+            left = record.reserved - used
+            refunded = 0
+            for start, amount in charged:
+                if left <= 0:
+                    break
+                take = min(left, amount)
+                left -= take
+                if start + c.window_s > now_s:  # an ended window keeps its share
+                    key = window_key(c.key, start)
+                    take = min(take, self._get(key, now))
+                    if take > 0:
+                        value, expires_at = self._counters[key]
+                        self._counters[key] = (value - take, expires_at)
+                        refunded += take
+            if used > record.reserved:
+                start = windows.window_start(now_s, c.window_s)
+                self._incr(window_key(c.key, start), used - record.reserved, start, c.window_s, now)
+            refunds.append(refunded)
+
+        record.settlement = Settlement(
+            reserved=record.reserved,
+            used=used,
+            refunded=refunds[0] if refunds else 0,
+            refunded_per_counter=tuple(refunds),
+        )
+        return record.settlement
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        self._counters.clear()
+        self._records.clear()

@@ -1,0 +1,59 @@
+"""Fixed-window arithmetic and argument checks shared by every backend.
+
+Both backends must agree to the second on where a window starts and how a state is
+reported, so the rules live here once (the Lua scripts mirror them, and the conformance
+suite holds the two together).
+"""
+
+from __future__ import annotations
+
+from extproc.quota.base import AdmitRequest, Counter, CounterKind, CounterState
+
+# Counter keys expire this long after their window ends: late refunds are skipped by
+# clock anyway, the margin only absorbs clock skew between Redis replicas.
+EXPIRY_MARGIN_S = 2
+
+
+def window_start(now_s: int, window_s: int) -> int:
+    """Epoch-aligned start of the window holding ``now_s`` (like envoyproxy/ratelimit)."""
+    return now_s - now_s % window_s
+
+
+def counter_state(
+    kind: CounterKind, limit: int, window_s: int, value: int, start: int, now: float
+) -> CounterState:
+    return CounterState(
+        kind=kind,
+        limit=limit,
+        remaining=max(0, limit - value),
+        reset_s=max(0.0, start + window_s - now),
+    )
+
+
+def check_counters(counters: tuple[Counter, ...]) -> None:
+    for counter in counters:
+        if counter.window_s <= 0 or counter.limit < 0:
+            raise ValueError(f"counter {counter.key!r} needs window_s > 0 and limit >= 0")
+
+
+def check_admit(request: AdmitRequest) -> None:
+    if request.tokens < 0:
+        raise ValueError(f"tokens must be >= 0, got {request.tokens}")
+    if request.record_ttl_s <= 0:
+        raise ValueError(f"record_ttl_s must be > 0, got {request.record_ttl_s}")
+    check_counters(request.request_counters)
+    check_counters(request.token_counters)
+
+
+def check_reserve(seq: int, amount: int, minimum: int, counters: tuple[Counter, ...]) -> None:
+    if seq < 0:
+        raise ValueError(f"seq must be >= 0, got {seq}")
+    if amount < 1 or not 1 <= minimum <= amount:
+        raise ValueError(f"need 1 <= minimum <= amount, got minimum={minimum} amount={amount}")
+    check_counters(counters)
+
+
+def check_settle(used: int, counters: tuple[Counter, ...]) -> None:
+    if used < 0:
+        raise ValueError(f"used must be >= 0, got {used}")
+    check_counters(counters)
