@@ -38,7 +38,7 @@ class Runtime:
         self.metrics = Metrics()
         self.backend = backend if backend is not None else backend_from_url(config.redis_url)
         self.registry = TokenizerRegistry(tokenizer_rules(config))
-        self.admission = Admission(config, self.backend, self.registry)
+        self.admission = Admission(config, self.backend, self.registry, self.metrics)
         self.open_sessions: set[Session] = set()
         self._background: set[asyncio.Task[Any]] = set()
 

@@ -10,6 +10,7 @@ from extproc.admission.policy import PolicyBook, QuotaPolicy
 from extproc.admission.ratelimit_headers import ratelimit_headers, retry_after
 from extproc.admission.request import Endpoint, ModelRequest, parse_model_request
 from extproc.config import Config, TenantSpec
+from extproc.metrics import Metrics
 from extproc.quota import keys
 from extproc.quota.base import AdmitRequest, CounterState, QuotaBackend
 from extproc.tokens.prompt import MalformedRequest, count_prompt_tokens
@@ -48,8 +49,15 @@ class Admitted:
 
 
 class Admission:
-    def __init__(self, config: Config, backend: QuotaBackend, registry: TokenizerRegistry) -> None:
+    def __init__(
+        self,
+        config: Config,
+        backend: QuotaBackend,
+        registry: TokenizerRegistry,
+        metrics: Metrics,
+    ) -> None:
         self.config = config
+        self.metrics = metrics
         self.backend = backend
         self.registry = registry
         self.keyring = KeyRing(config.tenants)
@@ -95,6 +103,7 @@ class Admission:
                 tenant, request, policy, tokenizer, reservation_key,
                 prompt_tokens, output_reserved, (), False,
             )  # fmt: skip
+        self.metrics.quota_round_trips_total += 1
         verdict = await self.backend.admit(
             AdmitRequest(
                 reservation_key=reservation_key,

@@ -71,7 +71,9 @@ class ManagedProcess:
             if ready():
                 return
             time.sleep(0.02)
-        raise TimeoutError(f"{self.argv[0]} not ready after {timeout_s}s:\n{self.log_text()[-4000:]}")
+        raise TimeoutError(
+            f"{self.argv[0]} not ready after {timeout_s}s:\n{self.log_text()[-4000:]}"
+        )
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:

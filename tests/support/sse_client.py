@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
-import aiohttp
 import orjson
 
 from extproc.tokens.encodings import load_tokenizer
@@ -68,23 +69,64 @@ def parse_events(body: bytes) -> list[dict | str]:
 async def stream_http1(
     url: str, api_key: str, payload: dict, headers: dict[str, str] | None = None
 ) -> StreamResult:
-    body = bytearray()
-    clean = True
-    timeout = aiohttp.ClientTimeout(total=60)
-    async with (
-        aiohttp.ClientSession(timeout=timeout) as session,
-        session.post(
-            url, json=payload, headers={"authorization": f"Bearer {api_key}", **(headers or {})}
-        ) as reply,
-    ):
-        try:
-            async for chunk in reply.content.iter_any():
-                body += chunk
-        except aiohttp.ClientPayloadError:
-            clean = False
-        return StreamResult(
-            reply.status, dict(reply.headers), bytes(body), clean, parse_events(bytes(body))
-        )
+    """POST over a raw HTTP/1.1 socket and keep every byte that arrived, even after a reset.
+
+    HTTP client libraries drop buffered data when the connection breaks; a meter test needs
+    exactly what reached the client, so the response is read and de-chunked here.
+    """
+    parsed = urlsplit(url)
+    body = orjson.dumps(payload)
+    head = [
+        f"POST {parsed.path} HTTP/1.1",
+        f"Host: {parsed.hostname}:{parsed.port}",
+        f"Authorization: Bearer {api_key}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+        *(f"{k}: {v}" for k, v in (headers or {}).items()),
+    ]
+    reader, writer = await asyncio.open_connection(parsed.hostname, parsed.port)
+    writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+    await writer.drain()
+    raw = bytearray()
+    try:
+        while chunk := await asyncio.wait_for(reader.read(65536), timeout=60):
+            raw += chunk
+    except (ConnectionResetError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+    header_blob, _, rest = bytes(raw).partition(b"\r\n\r\n")
+    lines = header_blob.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1]) if lines and lines[0].startswith("HTTP/") else 0
+    reply_headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        reply_headers[name.strip().lower()] = value.strip()
+    if reply_headers.get("transfer-encoding", "").lower() == "chunked":
+        content, clean = dechunk(rest)
+    else:
+        length = int(reply_headers.get("content-length", len(rest)))
+        content, clean = rest[:length], len(rest) >= length
+    return StreamResult(status, reply_headers, content, clean, parse_events(content))
+
+
+def dechunk(data: bytes) -> tuple[bytes, bool]:
+    """Body of a chunked message, possibly cut short; True when the last chunk arrived."""
+    out = bytearray()
+    pos = 0
+    while True:
+        line_end = data.find(b"\r\n", pos)
+        if line_end < 0:
+            return bytes(out), False
+        size = int(data[pos:line_end].split(b";")[0] or b"0", 16)
+        if size == 0:
+            return bytes(out), True
+        start = line_end + 2
+        out += data[start : start + size]
+        if start + size + 2 > len(data):
+            return bytes(out), False
+        pos = start + size + 2
 
 
 def stream_http2(url: str, api_key: str, payload: dict) -> StreamResult:

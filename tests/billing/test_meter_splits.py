@@ -1,0 +1,143 @@
+"""The meter against a real redis-server: any split of a recorded stream, same bytes, same bill.
+
+A stream is recorded once from the simulator over HTTP (with the usage chunk admission
+forces), then fed to the meter cut into arbitrary body messages, as Envoy may deliver it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from extproc.billing.meter import ResponseMeter
+from extproc.config import TenantSpec, parse_config
+from extproc.quota import keys
+from extproc.quota.redis_backend import RedisQuotaBackend
+from extproc.runtime import Runtime
+from tests.support.redis_server import RedisServer
+from tests.support.simulator import Simulator
+from tests.support.sse_client import parse_events
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUEST = {
+    "model": "gpt-4.1",
+    "stream": True,
+    "max_tokens": 120,
+    "ignore_eos": True,
+    "messages": [{"role": "user", "content": "Count the tokens of this stream."}],
+}
+_ids = itertools.count()
+
+
+def config_doc(redis_url: str) -> dict[str, Any]:
+    return {
+        "redis_url": redis_url,
+        "models": {"gpt-4.1": {"tokenizer": "o200k_base", "max_tokens": 4096}},
+        "plans": {
+            "roomy": {"window_s": 3600, "limits": {"*": {"tpm": 1_000_000}}, "batch_tokens": 32},
+            "tight": {"window_s": 3600, "limits": {"*": {"tpm": 100}}, "batch_tokens": 32},
+        },
+        "tenants": {},
+    }
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer.start(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def recorded_stream(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """The simulator's raw SSE bytes for REQUEST, usage chunk included (as admission forces)."""
+    import urllib.request
+
+    sim = Simulator(ROOT / "simulator_profiles" / "fast.yaml", log_dir=tmp_path_factory.mktemp("s"))
+    try:
+        body = orjson.dumps({**REQUEST, "stream_options": {"include_usage": True}})
+        request = urllib.request.Request(
+            sim.url("/v1/chat/completions"), data=body, headers={"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.read()
+    finally:
+        sim.stop()
+
+
+async def bill(
+    redis_url: str, plan: str, stream: bytes, cuts: list[int]
+) -> tuple[bytes, int, bool]:
+    """Feed ``stream`` cut at ``cuts``; return forwarded bytes, tokens charged, stream cut."""
+    config = parse_config(config_doc(redis_url))
+    backend = RedisQuotaBackend.from_url(redis_url)
+    runtime = Runtime(config, backend)
+    tenant = TenantSpec(id=f"split-{next(_ids)}", plan=config.plans[plan], key_sha256=())
+    try:
+        admitted = await runtime.admission.admit(tenant, "chat", "req-1", orjson.dumps(REQUEST))
+        meter = ResponseMeter(admitted, runtime)
+        meter.on_headers(200, "text/event-stream")
+        bounds = [0, *sorted(set(cuts)), len(stream)]
+        out = bytearray()
+        ended = False
+        for i, (start, end) in enumerate(itertools.pairwise(bounds)):
+            last = i == len(bounds) - 2
+            forwarded, ended = await meter.on_body(stream[start:end], last)
+            out += forwarded or b""
+            if ended and not last:
+                break
+        await meter.settle("test")
+        client = redis.asyncio.Redis.from_url(redis_url)
+        prefix = keys.counter_key(tenant.id, "tpm", "gpt-4.1", 3600)
+        charged = sum(
+            [int(await client.get(k) or 0) async for k in client.scan_iter(prefix + ":*")]
+        )
+        await client.aclose()
+        return bytes(out), charged, meter.finished
+    finally:
+        await runtime.close()
+
+
+def cut_points(stream_len: int) -> st.SearchStrategy[list[int]]:
+    return st.lists(st.integers(min_value=1, max_value=stream_len - 1), max_size=40)
+
+
+def test_within_budget_forwarded_bytes_are_the_stream_minus_the_usage_chunk(
+    redis_server: RedisServer, recorded_stream: bytes
+) -> None:
+    out, charged, cut = asyncio.run(bill(redis_server.url, "roomy", recorded_stream, []))
+    events = parse_events(recorded_stream)
+    usage = next(e["usage"] for e in events if isinstance(e, dict) and e.get("usage"))
+    usage_block = next(
+        block + b"\n\n"
+        for block in recorded_stream.split(b"\n\n")
+        if b'"usage"' in block and b'"choices":[]' in block
+    )
+    assert not cut
+    assert out == recorded_stream.replace(usage_block, b"")
+    assert charged == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_any_split_gives_the_same_forwarded_bytes_and_the_same_bill(
+    redis_server: RedisServer, recorded_stream: bytes, data: st.DataObject
+) -> None:
+    cuts = data.draw(cut_points(len(recorded_stream)))
+    plan = data.draw(st.sampled_from(["roomy", "tight"]))
+    reference = asyncio.run(bill(redis_server.url, plan, recorded_stream, []))
+    assert asyncio.run(bill(redis_server.url, plan, recorded_stream, cuts)) == reference
+    if plan == "tight":
+        assert reference[2], "a 100-token budget must cut a 120-token answer"
+        assert reference[1] == 100
