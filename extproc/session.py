@@ -27,6 +27,14 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("extproc.session")
 
+QUOTA_UNAVAILABLE = ApiError(
+    503,
+    "The quota service is unavailable; the request was not forwarded. Please retry.",
+    "api_error",
+    "quota_unavailable",
+    headers=(("retry-after", "1"),),
+)
+
 
 class Session:
     __slots__ = (
@@ -128,6 +136,10 @@ class Session:
         except ApiError as error:
             self.runtime.metrics.refusal(error.code or error.type)
             return msg.immediate(error)
+        except Exception as exc:  # the quota backend is down or timed out: fail closed, clearly
+            log.error("admission_failed", request_id=self.request_id, error=repr(exc))
+            self.runtime.metrics.refusal("quota_unavailable")
+            return msg.immediate(QUOTA_UNAVAILABLE)
         self.admitted = admitted
         self.meter = ResponseMeter(admitted, self.runtime)
         self.runtime.open_sessions.add(self)

@@ -81,7 +81,7 @@ class ResponseMeter:
         self.lease_task: asyncio.Task[None] | None = None
         self.exhausted = False
         self.exhausted_code = "tpm_limit_exceeded"
-        self.started = False  # response body seen: the watchdog applies from here
+        self.started = False  # response headers seen: the watchdog applies from here
         self.finished = False  # we ended the client's stream (cut-off or timeout)
         self.completed = False  # the upstream ended its stream normally
         self.upstream_usage: dict[str, Any] | None = None
@@ -97,6 +97,7 @@ class ResponseMeter:
         return self.mode == "sse"
 
     def on_headers(self, status: int, content_type: str) -> None:
+        self.started = True  # from here the idle watchdog guards the reservation
         if status >= 400 or status < 200:
             self.mode = "upstream_error"
         elif self.admitted.request.stream and "text/event-stream" in content_type:
@@ -109,7 +110,6 @@ class ResponseMeter:
 
     async def on_body(self, chunk: bytes, end_of_stream: bool) -> tuple[bytes | None, bool]:
         """Bytes to forward for this body message, and whether they end the client's stream."""
-        self.started = True
         if self.finished:
             return None, False
         if self.mode != "sse":

@@ -16,6 +16,8 @@ from typing import Protocol
 
 import tiktoken
 
+from extproc.tokens.text import clean_text
+
 DATA_DIR = Path(__file__).parent / "data"
 
 # Pattern strings and special tokens as published in tiktoken_ext/openai_public.py (MIT).
@@ -77,6 +79,8 @@ class TextTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def count(self, text: str) -> int: ...
+
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -86,10 +90,21 @@ class TiktokenTokenizer:
     def __init__(self, encoding: tiktoken.Encoding) -> None:
         self.name = encoding.name
         self.encoding = encoding
+        # The Rust core skips the Python wrapper's special-token scan; counting is hot.
+        self._encode_core = getattr(
+            getattr(encoding, "_core_bpe", None), "encode_ordinary", encoding.encode_ordinary
+        )
 
     def encode(self, text: str) -> list[int]:
-        # disallowed_special=() so user text containing "<|endoftext|>" is counted, not rejected.
-        return self.encoding.encode(text, disallowed_special=())
+        # encode_ordinary == encode(disallowed_special=()): "<|endoftext|>" typed by a user
+        # is counted as the text it is, never rejected or treated as a control token.
+        try:
+            return self._encode_core(text)
+        except UnicodeEncodeError:
+            return self._encode_core(clean_text(text))
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
 
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids)
@@ -109,7 +124,11 @@ class SentencePieceTokenizer:
             raise TokenizerLoadError(f"cannot load SentencePiece model {path}: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
-        return self.processor.encode(text)
+        # SentencePiece refuses lone surrogates with a RuntimeError; clean them first.
+        return self.processor.encode(clean_text(text))
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
 
     def decode(self, ids: list[int]) -> str:
         return self.processor.decode(ids)

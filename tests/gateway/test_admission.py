@@ -304,3 +304,26 @@ def test_envoy_admin_reports_the_processor_cluster_healthy(gateway: Gateway) -> 
     status, text = http_get(f"http://127.0.0.1:{gateway.envoy.ports.admin}/clusters")
     assert status == 200
     assert "quota_extproc::" in text
+
+
+def test_quota_backend_outage_answers_503_and_the_processor_recovers(
+    tmp_path: Path, simulators: list[Simulator]
+) -> None:
+    own_redis = RedisServer.start(tmp_path / "redis")
+    port = own_redis.port
+    config = write_processor_config(
+        tmp_path / "quota.yaml", {"outage": ROOMY}, redis_url=own_redis.url
+    )
+    gw = start_gateway(config, tmp_path, [s.port for s in simulators])
+    try:
+        assert chat(client(gw, "outage"), max_tokens=2).choices
+        own_redis.stop()
+        with pytest.raises(openai.InternalServerError) as info:
+            chat(client(gw, "outage"), max_tokens=2)
+        assert info.value.status_code == 503
+        assert info.value.code == "quota_unavailable"
+        own_redis = RedisServer.start(tmp_path / "redis2", port=port)
+        assert chat(client(gw, "outage"), max_tokens=2).choices
+    finally:
+        gw.stop()
+        own_redis.stop()

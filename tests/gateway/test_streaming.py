@@ -12,8 +12,8 @@ import aiohttp
 import openai
 import pytest
 import redis
-from extproc.tokens.prompt import count_prompt_tokens
 
+from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
 from tests.gateway.conftest import (
     FAST_PROFILE,
@@ -57,7 +57,7 @@ TENANTS = {
     "cut_abort": budget_plan(300),
     "truncate": budget_plan(300, on_exhaustion="truncate"),
     "disconnect": budget_plan(1_000_000),
-    "upstream_error": budget_plan(1_000_000),
+    "upstream_error": {**budget_plan(1_000_000), "limits": {"*": {"rpm": 100, "tpm": 1_000_000}}},
 }
 
 
@@ -260,13 +260,22 @@ def test_client_disconnect_mid_stream_bills_what_was_delivered(
     assert wait_until(settled, timeout_s=5)
 
 
-def test_upstream_error_refunds_the_output_reservation(
+def test_upstream_error_refunds_the_output_reservation_and_keeps_the_attempt(
     gateway: Gateway, redis_client: redis.Redis
 ) -> None:
-    request = payload(model="gpt-4.1", max_tokens=50, n=0)  # the model answers 400
-    result = asyncio.run(stream_http1(url(gateway), tenant_key("upstream_error"), request))
-    assert result.status == 400
-    assert counter_value(redis_client, "upstream_error", "tpm", "gpt-4.1") == 0
+    request = payload(max_tokens=50)
+    result = asyncio.run(
+        stream_http1(url(gateway), tenant_key("upstream_error"), request, {"x-return-error": "503"})
+    )
+    assert result.status == 503
+    # Output reservation refunded; the prompt stays charged, as does the request itself.
+    assert wait_until(
+        lambda: (
+            counter_value(redis_client, "upstream_error", "tpm", "gpt-4.1")
+            == prompt_tokens(request)
+        )
+    )
+    assert counter_value(redis_client, "upstream_error", "rpm", "gpt-4.1") == 1
 
 
 def test_overshoot_is_bounded_across_two_envoys_and_two_processors(

@@ -96,9 +96,16 @@ class RedisServer:
         self.ca_path = ca_path  # set when serving TLS
 
     @classmethod
-    def start(cls, directory: Path, password: str | None = None, tls: bool = False) -> RedisServer:
+    def start(
+        cls,
+        directory: Path,
+        password: str | None = None,
+        tls: bool = False,
+        port: int | None = None,
+    ) -> RedisServer:
+        """``port`` restarts a server where a stopped one was (outage tests); default: free."""
         directory.mkdir(parents=True, exist_ok=True)
-        port = free_port()
+        port = port if port is not None else free_port()
         argv = [
             REDIS_SERVER,
             "--bind",

@@ -1,0 +1,207 @@
+"""Admission latency at the gRPC level: request headers + a 4k-token body → verdict.
+
+This process plays Envoy against ONE processor process with a real redis-server: per
+request it opens a Process stream, sends the request headers (API key), waits for the
+answer, sends the buffered request body, and waits for the verdict. The time from the
+headers' send to the verdict is the admission latency — identity, JSON parsing, counting
+the prompt's tokens, the atomic Redis charge, and two gRPC round trips. The same exchange
+against the no-op processor (benchmarks/noop_processor.py) shows what the two round trips
+alone cost, so the figure above it is the price of admission itself.
+
+Processor on core 0, this client on core 1 (``taskset``) when there are two cores.
+One request in flight is the target's measure; a run with several in flight shows queueing.
+
+    .venv/bin/python benchmarks/bench_admission.py [--quick] [--n 2000] [--concurrency 8]
+
+Target (issue 4): p99 ≤ 2 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc
+import orjson
+
+from benchmarks import extproc_wire as wire
+from benchmarks.report import fmt, percentile, ratio, table, verdict
+from benchmarks.rig import (
+    BENCH_KEY,
+    MODEL,
+    pin_self,
+    start_billing_processor,
+    start_noop_processor,
+    write_bench_config,
+)
+from extproc.tokens.encodings import load_tokenizer
+from extproc.tokens.prompt import count_prompt_tokens
+from extproc.tokens.registry import TokenizerRegistry
+from tests.support.redis_server import RedisServer
+
+TARGET_P99_MS = 2.0
+PROMPT_TOKENS = 4096
+PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+# Varied text: Latin, digits, accents, CJK and Hangul, so the BPE does real work.
+WORDS = (
+    "quota", "budget", "token", "stream", "gateway", "envoy", "processor", "window", "limit",
+    "tenant", "model", "request", "response", "latency", "admission", "settlement", "lease",
+    "batch", "counter", "redis", "script", "atomic", "refund", "commit", "charge",
+    "delivered", "reserved", "upstream", "downstream", "client", "server", "header", "body",
+    "chunk", "event", "parse", "encode", "decode", "language", "sentence", "paragraph",
+    "story", "river", "mountain", "forest", "city", "number", "2024", "42", "3.14", "résumé",
+    "naïve", "café", "東京", "데이터", "données", "función",
+)  # fmt: skip
+
+
+def four_k_prompt(tokens: int = PROMPT_TOKENS, seed: int = 4) -> tuple[str, int]:
+    """Varied text whose chat request counts ``tokens`` prompt tokens (± a few)."""
+    rng = random.Random(seed)
+    encoding = load_tokenizer("o200k_base")
+    words: list[str] = []
+    while len(encoding.encode(" ".join(words))) < tokens - 8:  # chat framing adds ~7
+        words.extend(rng.choice(WORDS) + rng.choice(("", "", ",", ".")) for _ in range(64))
+    text = " ".join(words)
+    ids = encoding.encode(text)[: tokens - 8]
+    text = encoding.decode(ids)
+    registry = TokenizerRegistry.from_config([{"match": MODEL, "tokenizer": "o200k_base"}])
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+    return text, count_prompt_tokens(payload, registry.counter_for(MODEL))
+
+
+async def admissions(
+    port: int, body: bytes, n: int, concurrency: int, tag: str
+) -> tuple[list[float], list[float], int]:
+    """Latencies (ms) of headers → answer and headers → verdict; refusals counted apart."""
+    request_body = wire.request_body(body).SerializeToString()
+    head_ms: list[float] = []
+    verdict_ms: list[float] = []
+    refused = 0
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        process = channel.stream_stream(PROCESS_METHOD)
+        queue = iter(range(n))
+
+        async def worker() -> None:
+            nonlocal refused
+            for i in queue:
+                headers = wire.request_headers(BENCH_KEY, f"{tag}-{i}", len(body))
+                raw_headers = headers.SerializeToString()
+                call = process()
+                await call.wait_for_connection()
+                t0 = time.perf_counter()
+                await call.write(raw_headers)
+                await call.read()
+                t1 = time.perf_counter()
+                await call.write(request_body)
+                answer = await call.read()
+                t2 = time.perf_counter()
+                await call.done_writing()
+                await call.code()
+                if wire.verdict_kind(wire.response(answer)) != "request_body":
+                    refused += 1
+                    continue
+                head_ms.append((t1 - t0) * 1000)
+                verdict_ms.append((t2 - t0) * 1000)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return head_ms, verdict_ms, refused
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests")
+    parser.add_argument("--n", type=int, default=2000, help="requests per measurement")
+    parser.add_argument("--concurrency", type=int, default=8, help="in flight for the 2nd run")
+    args = parser.parse_args()
+    n = 300 if args.quick else args.n
+    pin = (os.cpu_count() or 1) >= 2
+    server_cpus, client_cpus = ("0", "1") if pin else (None, None)
+    pin_self(client_cpus)
+
+    prompt, prompt_tokens = four_k_prompt()
+    body = orjson.dumps(
+        {"model": MODEL, "stream": True, "max_tokens": 256, "messages": [
+            {"role": "user", "content": prompt}
+        ]}
+    )  # fmt: skip
+    workdir = Path(tempfile.mkdtemp(prefix="bench-admission-"))
+    stoppers = []
+    rows = []
+    try:
+        redis = RedisServer.start(workdir / "redis")
+        stoppers.append(redis.stop)
+        noop, noop_port = start_noop_processor(workdir, server_cpus)
+        stoppers.append(noop.stop)
+        config = write_bench_config(workdir / "quota.yaml", redis.url)
+        billing = start_billing_processor(config, workdir, redis.url, server_cpus)
+        stoppers.append(billing.stop)
+        print(
+            f"admission latency: {prompt_tokens}-token chat prompt ({len(body):,} bytes), "
+            f"{n} requests per run, processor on core {server_cpus}, client on core "
+            f"{client_cpus}; load average {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+        tag = uuid.uuid4().hex[:8]
+        results = {}
+        for concurrency in (1, args.concurrency):
+            for name, port in (("noop", noop_port), ("billing", billing.port)):
+                # Warm: channel, tokenizer caches, Redis script load.
+                asyncio.run(admissions(port, body, 20, 1, f"{tag}-warm-{name}-{concurrency}"))
+                head, full, refused = asyncio.run(
+                    admissions(port, body, n, concurrency, f"{tag}-{name}-{concurrency}")
+                )
+                results[(name, concurrency)] = full
+                rows.append(
+                    [
+                        name,
+                        str(concurrency),
+                        f"{len(full):,}",
+                        str(refused),
+                        fmt(percentile(head, 50), 3),
+                        fmt(percentile(full, 50), 3),
+                        fmt(percentile(full, 90), 3),
+                        fmt(percentile(full, 99), 3),
+                        fmt(max(full) if full else float("nan"), 3),
+                    ]
+                )
+        metrics = billing.metrics()
+    finally:
+        for stop in reversed(stoppers):
+            stop()
+
+    print()
+    print(
+        table(
+            [
+                "processor", "in flight", "admitted", "refused", "headers p50",
+                "verdict p50", "p90", "p99", "max",
+            ],
+            rows,
+        )
+    )  # fmt: skip
+    print("(ms, from sending the request headers to the verdict on the request body)")
+    p99 = percentile(results[("billing", 1)], 99)
+    floor = percentile(results[("noop", 1)], 99)
+    print(
+        f"\nbilling, one in flight: p99 {fmt(p99, 3)} ms — target ≤ {TARGET_P99_MS} ms: "
+        f"{verdict(p99 <= TARGET_P99_MS)}; {fmt(ratio(p99, floor), 1)}× the no-op processor's "
+        f"p99 ({fmt(floor, 3)} ms: the two gRPC round trips alone)"
+    )
+    print(
+        f"billing processor: {int(metrics.get('extproc_admitted_total', 0)):,} admitted, "
+        f"{int(metrics.get('extproc_quota_round_trips_total', 0)):,} Redis round trips; "
+        f"load average at the end {os.getloadavg()[0]:.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""A raw HTTP/1.1 streaming client that notes when each SSE token event arrives.
+
+Raw sockets rather than aiohttp: the send time is taken right before the request's single
+``write`` (no client-side serialisation after it), each arrival in ``data_received`` itself
+(no extra hop through a reader task), and the per-event cost stays a few microseconds so
+200 concurrent streams don't make the client the thing being measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import orjson
+
+# A token event of a chat stream; the role event ("delta":{"role"...) and the finish event
+# ("delta":{}) don't match, and neither do usage, error or [DONE] events.
+TOKEN_EVENT_MARK = b'"delta":{"content":"'
+
+
+@dataclass
+class TimedStream:
+    request_id: str
+    sent_at: float = 0.0  # wall clock, s: the request's write
+    status: int = 0
+    arrivals: list[float] = field(default_factory=list)  # wall clock, s, per token event
+    complete: bool = False  # the response ended with its terminating chunk
+    saw_done: bool = False
+
+
+def chat_request(path: str, payload: dict, request_id: str, api_key: str | None = None) -> bytes:
+    body = orjson.dumps(payload)
+    head = [
+        f"POST {path} HTTP/1.1",
+        "Host: bench",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        f"X-Request-Id: {request_id}",
+        "Connection: close",
+    ]
+    if api_key is not None:
+        head.append(f"Authorization: Bearer {api_key}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+class _TimedSseProtocol(asyncio.Protocol):
+    """Status line, headers, chunked transfer decoding, SSE event split — incrementally."""
+
+    def __init__(self, result: TimedStream, done: asyncio.Future[None]) -> None:
+        self.result = result
+        self.done = done
+        self.transport: asyncio.Transport | None = None
+        self.raw = b""  # undecoded bytes: headers, then chunk framing
+        self.headers_done = False
+        self.chunked = False
+        self.chunk_left = -1  # -1: a chunk-size line is next; 0: the CRLF after chunk data
+        self.events = b""  # decoded body not yet split into events
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        now = time.time()
+        self.raw += data
+        if not self.headers_done:
+            end = self.raw.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.raw[:end].decode("latin-1").split("\r\n")
+            self.raw = self.raw[end + 4 :]
+            self.result.status = int(head[0].split()[1])
+            self.chunked = any(
+                h.lower().startswith("transfer-encoding:") and "chunked" in h.lower()
+                for h in head[1:]
+            )
+            self.headers_done = True
+        if not self.chunked:
+            self._feed_body(self.raw, now)
+            self.raw = b""
+            return
+        self._dechunk(now)
+
+    def _dechunk(self, now: float) -> None:
+        while self.raw:
+            if self.chunk_left == -1:
+                eol = self.raw.find(b"\r\n")
+                if eol < 0:
+                    return
+                size = int(self.raw[:eol].split(b";", 1)[0], 16)
+                self.raw = self.raw[eol + 2 :]
+                if size == 0:
+                    self.result.complete = True
+                    self._finish()
+                    return
+                self.chunk_left = size
+            elif self.chunk_left == 0:
+                if len(self.raw) < 2:
+                    return
+                self.raw = self.raw[2:]
+                self.chunk_left = -1
+            else:
+                part = self.raw[: self.chunk_left]
+                self.raw = self.raw[len(part) :]
+                self.chunk_left -= len(part)
+                self._feed_body(part, now)
+
+    def _feed_body(self, data: bytes, now: float) -> None:
+        self.events += data
+        while (end := self.events.find(b"\n\n")) >= 0:
+            event = self.events[:end]
+            self.events = self.events[end + 2 :]
+            if TOKEN_EVENT_MARK in event:
+                self.result.arrivals.append(now)
+            elif event == b"data: [DONE]":
+                self.result.saw_done = True
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.chunked and self.headers_done:
+            self.result.complete = self.result.saw_done
+        self._finish()
+
+
+async def timed_stream(port: int, request: bytes, request_id: str) -> TimedStream:
+    """One request on a fresh connection; the connect happens before the send time."""
+    loop = asyncio.get_running_loop()
+    result = TimedStream(request_id)
+    done: asyncio.Future[None] = loop.create_future()
+    transport, _ = await loop.create_connection(
+        lambda: _TimedSseProtocol(result, done), "127.0.0.1", port
+    )
+    result.sent_at = time.time()
+    transport.write(request)
+    try:
+        await done
+    finally:
+        transport.close()
+    return result

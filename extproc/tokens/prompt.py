@@ -1,0 +1,357 @@
+"""Prompt tokens of an OpenAI-style request, counted the way the model will see them.
+
+``count_prompt_tokens(body, tok)`` is the one call admission makes: a parsed request body
+in, the prompt token count out, or ``MalformedRequest`` naming the bad field.
+
+Chat formula (``messages``), per family overhead in ``CHAT_OVERHEAD``::
+
+    tokens = reply_priming
+           + Σ_messages ( per_message
+                          + count(role) + count(content text parts) + image_tokens × images
+                          + [count(name) + per_name]
+                          + Σ_tool_calls ( per_tool_call + count(function.name)
+                                           + count(function.arguments) )
+                          + count(tool_call_id) )
+           + [tools_preamble + Σ_tools ( per_tool + count(compact JSON of the function) )]
+
+Sources: ``openai`` follows the OpenAI cookbook "How to count tokens with tiktoken"
+(``num_tokens_from_messages``: 3 tokens per message, +1 for a name, +3 for the
+``<|start|>assistant<|message|>`` reply priming; exact for gpt-3.5-turbo-0613 onward,
+gpt-4 and gpt-4o). OpenAI does not publish how tool definitions are rendered; the same
+cookbook's ``num_tokens_for_tools`` uses 7 tokens per function and 12 at the end, and
+renders them as a TypeScript-like namespace that is shorter than JSON, so counting the
+compact JSON of each function over-counts slightly, which is the safe side for a quota.
+``llama`` is the Mistral/Llama-2 ``[INST]`` template counted with the Mistral v1 model:
+``"[INST]"`` is 3 tokens, ``" [/INST]"`` 4, BOS 1, ``</s>`` 1, so a message costs at most
+7 and the BOS is the 1-token "priming". ``generic`` (the estimator) takes the larger of each.
+
+Completions (``prompt``): a string, an array of strings (summed), an array of token ids
+(its length) or an array of token-id arrays (summed lengths); ``suffix`` is added.
+
+Work is bounded: nesting is fixed by the schema (a part is never recursed into), message,
+part and tool-call counts are capped, and the text counted is never more than the body
+itself, so cost is linear in the body size the transport already limited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+
+from extproc.tokens.errors import MalformedRequest
+from extproc.tokens.model_tokenizer import ModelTokenizer
+
+__all__ = ["CHAT_OVERHEAD", "Limits", "MalformedRequest", "count_prompt_tokens"]
+
+DEFAULT_IMAGE_TOKENS: Final = 765  # OpenAI's cost of a 512x512 tile-pair "high" image
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOverhead:
+    """Tokens a chat template adds around the text; see the module docstring for sources."""
+
+    per_message: int
+    per_name: int
+    reply_priming: int
+    per_tool_call: int
+    per_tool: int
+    tools_preamble: int
+
+
+CHAT_OVERHEAD: Final[dict[str, ChatOverhead]] = {
+    "openai": ChatOverhead(
+        per_message=3, per_name=1, reply_priming=3, per_tool_call=3, per_tool=7, tools_preamble=12
+    ),
+    "llama": ChatOverhead(
+        per_message=7, per_name=1, reply_priming=1, per_tool_call=3, per_tool=7, tools_preamble=12
+    ),
+    "generic": ChatOverhead(
+        per_message=7, per_name=1, reply_priming=3, per_tool_call=3, per_tool=7, tools_preamble=12
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Caps that keep a hostile body's accounting cost bounded (far above real requests)."""
+
+    max_messages: int = 100_000
+    max_content_parts: int = 100_000
+    max_tool_calls: int = 10_000
+    max_tools: int = 1_024
+    max_prompts: int = 10_000
+
+
+DEFAULT_LIMITS: Final = Limits()
+
+ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+TEXT_PART_FIELD: Final = {"text": "text", "refusal": "refusal"}
+ATTACHMENT_PARTS: Final = frozenset({"image_url", "input_audio", "file"})
+PART_TYPES: Final = "text, image_url, input_audio, file, refusal"
+
+
+def _type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _require_str(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise MalformedRequest(f"{where} must be a string, got {_type_name(value)}")
+    return value
+
+
+def count_prompt_tokens(
+    body: dict[str, Any],
+    tok: ModelTokenizer,
+    *,
+    image_tokens: int = DEFAULT_IMAGE_TOKENS,
+    limits: Limits = DEFAULT_LIMITS,
+) -> int:
+    """Prompt tokens of a chat (``messages``) or completions (``prompt``) request body.
+
+    Raises MalformedRequest when the body does not have the OpenAI shape; the message
+    names the field (``messages[3].content must be a string or an array of content parts``).
+    """
+    if not isinstance(body, dict):
+        raise MalformedRequest(f"request body must be a JSON object, got {_type_name(body)}")
+    if "messages" in body:
+        return _count_chat(body, tok, image_tokens, limits)
+    if "prompt" in body:
+        return _count_completion(body, tok, limits)
+    raise MalformedRequest("'messages' (chat) or 'prompt' (completions) is required")
+
+
+def _count_chat(
+    body: dict[str, Any], tok: ModelTokenizer, image_tokens: int, limits: Limits
+) -> int:
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise MalformedRequest(f"messages must be an array, got {_type_name(messages)}")
+    if not messages:
+        raise MalformedRequest("messages must contain at least one message")
+    if len(messages) > limits.max_messages:
+        raise MalformedRequest(f"messages has {len(messages)} items; at most {limits.max_messages}")
+    overhead = CHAT_OVERHEAD[tok.family]
+    count = tok.count
+    budget = _PartBudget(limits)
+    total = overhead.reply_priming + overhead.per_message * len(messages)
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise MalformedRequest(f"{where} must be an object, got {_type_name(message)}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise MalformedRequest(f"{where}.role must be one of {', '.join(sorted(ROLES))}")
+        total += count(role)
+        content = message.get("content")
+        if isinstance(content, str):
+            total += count(content)
+        elif isinstance(content, list):
+            total += _count_parts(content, where, count, image_tokens, budget)
+        elif content is not None or role != "assistant":
+            # Only an assistant turn (one that calls tools) may have null content.
+            raise MalformedRequest(
+                f"{where}.content must be a string or an array of content parts"
+            )
+        name = message.get("name")
+        if name is not None:
+            total += count(_require_str(name, f"{where}.name")) + overhead.per_name
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None:
+            total += _count_tool_calls(tool_calls, where, count, overhead, budget)
+        function_call = message.get("function_call")
+        if function_call is not None:
+            total += _count_call(function_call, f"{where}.function_call", count)
+            total += overhead.per_tool_call
+        tool_call_id = message.get("tool_call_id")
+        if tool_call_id is not None:
+            total += count(_require_str(tool_call_id, f"{where}.tool_call_id"))
+        refusal = message.get("refusal")
+        if refusal is not None:
+            total += count(_require_str(refusal, f"{where}.refusal"))
+    total += _count_tools(body, count, overhead, limits)
+    return total
+
+
+class _PartBudget:
+    """Total content parts and tool calls seen so far across the whole request."""
+
+    __slots__ = ("limits", "parts", "tool_calls")
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.parts = 0
+        self.tool_calls = 0
+
+    def take_parts(self, n: int, where: str) -> None:
+        self.parts += n
+        if self.parts > self.limits.max_content_parts:
+            raise MalformedRequest(
+                f"{where}: request has more than {self.limits.max_content_parts} content parts"
+            )
+
+    def take_tool_calls(self, n: int, where: str) -> None:
+        self.tool_calls += n
+        if self.tool_calls > self.limits.max_tool_calls:
+            raise MalformedRequest(
+                f"{where}: request has more than {self.limits.max_tool_calls} tool calls"
+            )
+
+
+def _count_parts(
+    parts: list[Any],
+    where: str,
+    count: Callable[[str], int],
+    image_tokens: int,
+    budget: _PartBudget,
+) -> int:
+    budget.take_parts(len(parts), f"{where}.content")
+    total = 0
+    for j, part in enumerate(parts):
+        at = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise MalformedRequest(f"{at} must be an object, got {_type_name(part)}")
+        kind = part.get("type")
+        field_name = TEXT_PART_FIELD.get(kind) if isinstance(kind, str) else None
+        if field_name is not None:
+            total += count(_require_str(part.get(field_name), f"{at}.{field_name}"))
+        elif kind in ATTACHMENT_PARTS:
+            # Images cost a configured flat amount; audio and files are charged the same
+            # flat amount (their real cost depends on decoding we do not do here).
+            payload = part.get(kind)
+            if not isinstance(payload, (dict, str)):
+                raise MalformedRequest(f"{at}.{kind} must be an object")
+            total += image_tokens
+        else:
+            raise MalformedRequest(f"{at}.type must be one of {PART_TYPES}")
+    return total
+
+
+def _count_call(call: object, where: str, count: Callable[[str], int]) -> int:
+    if not isinstance(call, dict):
+        raise MalformedRequest(f"{where} must be an object, got {_type_name(call)}")
+    name = _require_str(call.get("name"), f"{where}.name")
+    arguments = call.get("arguments", "")
+    return count(name) + count(_require_str(arguments, f"{where}.arguments"))
+
+
+def _count_tool_calls(
+    tool_calls: object,
+    where: str,
+    count: Callable[[str], int],
+    overhead: ChatOverhead,
+    budget: _PartBudget,
+) -> int:
+    if not isinstance(tool_calls, list):
+        raise MalformedRequest(f"{where}.tool_calls must be an array")
+    budget.take_tool_calls(len(tool_calls), f"{where}.tool_calls")
+    total = overhead.per_tool_call * len(tool_calls)
+    for k, call in enumerate(tool_calls):
+        at = f"{where}.tool_calls[{k}]"
+        if not isinstance(call, dict):
+            raise MalformedRequest(f"{at} must be an object, got {_type_name(call)}")
+        total += _count_call(call.get("function"), f"{at}.function", count)
+        call_id = call.get("id")
+        if call_id is not None:
+            total += count(_require_str(call_id, f"{at}.id"))
+    return total
+
+
+def _count_tools(
+    body: dict[str, Any], count: Callable[[str], int], overhead: ChatOverhead, limits: Limits
+) -> int:
+    """Tool (``tools``) and legacy function (``functions``) definitions."""
+    definitions: list[tuple[str, object]] = []
+    for key, nested in (("tools", "function"), ("functions", None)):
+        items = body.get(key)
+        if items is None:
+            continue
+        if not isinstance(items, list):
+            raise MalformedRequest(f"{key} must be an array, got {_type_name(items)}")
+        if len(items) > limits.max_tools:
+            raise MalformedRequest(f"{key} has {len(items)} items; at most {limits.max_tools}")
+        for i, item in enumerate(items):
+            where = f"{key}[{i}]"
+            if not isinstance(item, dict):
+                raise MalformedRequest(f"{where} must be an object, got {_type_name(item)}")
+            if nested is not None:
+                where = f"{where}.{nested}"
+                item = item.get(nested)
+                if not isinstance(item, dict):
+                    raise MalformedRequest(f"{where} must be an object")
+            _require_str(item.get("name"), f"{where}.name")
+            definitions.append((where, item))
+    if not definitions:
+        return 0
+    total = overhead.tools_preamble + overhead.per_tool * len(definitions)
+    for where, definition in definitions:
+        try:
+            # orjson refuses nesting deeper than 254 levels instead of recursing without end.
+            rendered = orjson.dumps(definition).decode()
+        except (orjson.JSONEncodeError, TypeError) as exc:
+            raise MalformedRequest(f"{where} cannot be rendered as JSON: {exc}") from None
+        total += count(rendered)
+    return total
+
+
+def _count_completion(body: dict[str, Any], tok: ModelTokenizer, limits: Limits) -> int:
+    prompt = body["prompt"]
+    count = tok.count
+    total = 0
+    if isinstance(prompt, str):
+        total = count(prompt)
+    elif isinstance(prompt, list):
+        total = _count_prompt_array(prompt, count, limits)
+    else:
+        raise MalformedRequest(
+            "prompt must be a string, an array of strings, an array of tokens, "
+            "or an array of token arrays"
+        )
+    suffix = body.get("suffix")
+    if suffix is not None:
+        total += count(_require_str(suffix, "suffix"))
+    return total
+
+
+def _count_prompt_array(prompt: list[Any], count: Callable[[str], int], limits: Limits) -> int:
+    if not prompt:
+        return 0
+    first = prompt[0]
+    if isinstance(first, (str, list)) and len(prompt) > limits.max_prompts:
+        raise MalformedRequest(f"prompt has {len(prompt)} prompts; at most {limits.max_prompts}")
+    if isinstance(first, str):
+        total = 0
+        for i, item in enumerate(prompt):
+            total += count(_require_str(item, f"prompt[{i}]"))
+        return total
+    if _is_token_id(first):
+        for i, item in enumerate(prompt):
+            if not _is_token_id(item):
+                raise MalformedRequest(f"prompt[{i}] must be an integer token id")
+        return len(prompt)  # the client already tokenized; ids count one each
+    if isinstance(first, list):
+        total = 0
+        for i, ids in enumerate(prompt):
+            if not isinstance(ids, list):
+                raise MalformedRequest(f"prompt[{i}] must be an array of integer token ids")
+            for j, item in enumerate(ids):
+                if not _is_token_id(item):
+                    raise MalformedRequest(f"prompt[{i}][{j}] must be an integer token id")
+            total += len(ids)
+        return total
+    raise MalformedRequest(
+        "prompt[0] must be a string, an integer token id, or an array of token ids"
+    )
+
+
+def _is_token_id(value: object) -> bool:
+    return type(value) is int and value >= 0
