@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +47,6 @@ def config_doc(redis_url: str) -> dict[str, Any]:
         },
         "tenants": {},
     }
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer.start(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

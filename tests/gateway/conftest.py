@@ -49,13 +49,6 @@ def processor_config(tenants: dict[str, dict[str, Any]], **top: Any) -> dict[str
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer.start(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
 def simulators(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Simulator]]:
     log_dir = tmp_path_factory.mktemp("simulators")
     started: list[Simulator] = []

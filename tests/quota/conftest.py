@@ -111,7 +111,8 @@ class RedisHarness(Harness):
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer.start(tmp_path_factory.mktemp("redis"))
+    """A server of the quota suite's own: its tests FLUSHALL, which others must not see."""
+    server = RedisServer.start(tmp_path_factory.mktemp("quota-redis"))
     try:
         yield server
     finally:
