@@ -219,12 +219,17 @@ class ResponseMeter:
     # -- leases ----------------------------------------------------------------------------
 
     def _lease_ahead(self) -> None:
-        """Reserve the next batch in the background once the lease drops under half a batch."""
+        """Reserve the next batch in the background as soon as the current one is in use.
+
+        Holding up to two batches keeps events from waiting on Redis even when the processor
+        runs behind under load; it costs no extra round trips (one lease per batch of output
+        either way) and partial grants keep a nearly spent budget usable to the last token.
+        """
         if (
             self.lease_task is None
             and not self.exhausted
             and self.leased < self.max_output
-            and self.leased - self.delivered <= self.batch // 2
+            and self.leased - self.delivered <= self.batch
         ):
             amount = min(self.batch, self.max_output - self.leased)
             self.lease_task = asyncio.get_running_loop().create_task(self._lease(amount, 1))
