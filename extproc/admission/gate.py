@@ -74,9 +74,6 @@ class Admission:
             raise unauthorized("Incorrect API key provided.")
         return tenant
 
-    def tokenizer_for(self, model: str) -> ModelTokenizer:
-        return self.registry.counter_for(model)
-
     async def admit(
         self, tenant: TenantSpec, endpoint: Endpoint, request_id: str, raw_body: bytes
     ) -> Admitted:
@@ -84,7 +81,7 @@ class Admission:
         policy = self.policies.policy(tenant, request.model.name)
         if not policy.allowed:
             raise model_not_found(request.requested_model)
-        tokenizer = self.tokenizer_for(request.model.name)
+        tokenizer = self.registry.counter_for(request.model.name)
         try:
             prompt_tokens = count_prompt_tokens(
                 request.body, tokenizer, image_tokens=self.config.image_tokens

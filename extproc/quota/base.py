@@ -35,7 +35,7 @@ again. ``settle`` without an admitted record (refused, unknown, or expired after
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 CounterKind = Literal["rpm", "tpm", "tenant_tpm", "daily"]
@@ -101,7 +101,6 @@ class AdmitRequest:
     count_refused_attempts: bool = True
     # How long the reservation record outlives an unsettled request (crash safety).
     record_ttl_s: int = 3600
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 class QuotaBackend(Protocol):
