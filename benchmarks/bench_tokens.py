@@ -7,6 +7,7 @@ tokenising the same text once. Run: ``.venv/bin/python benchmarks/bench_tokens.p
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -64,15 +65,21 @@ def bench_prompt(name: str, tok: ModelTokenizer, runs: int = 400) -> None:
         start = time.perf_counter()
         count_prompt_tokens(body, tok)
         samples.append((time.perf_counter() - start) * 1e3)
+    target = "  (target p50 <= 1 ms)" if tok.kind == "tiktoken" else ""
     print(
         f"prompt  {name:<14} {tokens:>5} tokens, {len(body['messages']):>3} msgs: "
-        f"p50 {statistics.median(samples):.3f} ms  p99 {percentile(samples, 0.99):.3f} ms"
+        f"p50 {statistics.median(samples):.3f} ms  p99 {percentile(samples, 0.99):.3f} ms  "
+        f"best {min(samples):.3f} ms{target}"
     )
 
 
 def bench_stream(name: str, tok: ModelTokenizer, deltas: list[str], rounds: int = 15) -> None:
     text = "".join(deltas)
     one_shot, incremental = [], []
+    # Round one starts from empty shared memos (a freshly started sidecar); the figure
+    # reported is the best round, i.e. memos warm from earlier streams, as in production.
+    tok.delta_counts.clear()
+    tok.piece_deltas.clear()
     for _ in range(rounds):
         start = time.perf_counter()
         expected = tok.count(text)
@@ -85,10 +92,12 @@ def bench_stream(name: str, tok: ModelTokenizer, deltas: list[str], rounds: int 
         incremental.append(time.perf_counter() - start)
         assert counter.total == expected, (counter.total, expected)
     base, inc = min(one_shot), min(incremental)
+    target = " (target <= 2x)" if tok.kind == "tiktoken" and "/" not in name else ""
     print(
         f"stream  {name:<14} {expected:>5} tokens in {len(deltas)} deltas: one-shot "
         f"{base * 1e3:.3f} ms, incremental {inc * 1e3:.3f} ms "
-        f"({inc / len(deltas) * 1e6:.2f} us/delta), ratio {inc / base:.2f}x"
+        f"({inc / len(deltas) * 1e6:.2f} us/delta), ratio {inc / base:.2f}x{target}, "
+        f"cold first round {incremental[0] / base:.2f}x"
     )
 
 
@@ -108,6 +117,7 @@ def token_deltas(text: str, tok: ModelTokenizer) -> list[str]:
 
 
 def main() -> None:
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     registry = TokenizerRegistry.from_config(None)
     models = {"o200k": "gpt-4o", "cl100k": "gpt-4", "sentencepiece": "mixtral-8x7b",
               "estimator": "unknown"}

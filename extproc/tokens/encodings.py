@@ -12,7 +12,7 @@ import hashlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Final, Protocol
 
 import tiktoken
 
@@ -21,20 +21,38 @@ from extproc.tokens.text import clean_text
 DATA_DIR = Path(__file__).parent / "data"
 
 # Pattern strings and special tokens as published in tiktoken_ext/openai_public.py (MIT).
-_O200K_PAT = "|".join(
-    [
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""\p{N}{1,3}""",
-        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
-        r"""\s*[\r\n]+""",
-        r"""\s+(?!\S)""",
-        r"""\s+""",
-    ]
+_O200K_ALTERNATIVES: Final = (
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
 )
-_CL100K_PAT = (
+_O200K_PAT: Final = "|".join(_O200K_ALTERNATIVES)
+_CL100K_PAT: Final = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+
+# The same patterns rewritten for speed; they split every text into the same pieces (a
+# test checks them against the published ones). tiktoken runs its pattern with
+# fancy_regex, which hands the longest lookaround-free sub-patterns to the fast `regex`
+# crate. Two rewrites let it hand over all alternatives before the one lookahead as one
+# unit, halving cl100k's time on English (1.17 -> 0.60 ms for 4k tokens):
+# * the alternatives before ``\s+(?!\S)`` are wrapped in one ``(?:...)`` group (first-match
+#   alternation is associative, so the group matches exactly what the flat list matched);
+# * cl100k's possessive quantifiers become greedy ones. Each one either ends its branch or
+#   is followed by a class it cannot overlap (``[^\s\p{L}\p{N}]++`` then ``[\r\n]``; an
+#   optional non-letter prefix then ``\p{L}``; ``\s+`` then end of text), so the greedy
+#   form's first match is the possessive one and backtracking can never find another.
+_O200K_FAST_PAT: Final = (
+    "(?:" + "|".join(_O200K_ALTERNATIVES[:-2]) + ")|" + "|".join(_O200K_ALTERNATIVES[-2:])
+)
+_CL100K_FAST_PAT: Final = (
+    r"""(?:'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s+$|\s*[\r\n])|\s+(?!\S)|\s"""
 )
 
 
@@ -42,7 +60,8 @@ _CL100K_PAT = (
 class _TiktokenSpec:
     file: str
     sha256: str  # of the unpacked file, as tiktoken_ext checks it
-    pat_str: str
+    pat_str: str  # as published; the reference the fast pattern is tested against
+    fast_pat_str: str  # what the encoding runs: same pieces, fewer regex engine hand-offs
     special_tokens: dict[str, int]
 
 
@@ -51,12 +70,14 @@ TIKTOKEN_SPECS: dict[str, _TiktokenSpec] = {
         "o200k_base.tiktoken.gz",
         "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
         _O200K_PAT,
+        _O200K_FAST_PAT,
         {"<|endoftext|>": 199999, "<|endofprompt|>": 200018},
     ),
     "cl100k_base": _TiktokenSpec(
         "cl100k_base.tiktoken.gz",
         "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
         _CL100K_PAT,
+        _CL100K_FAST_PAT,
         {
             "<|endoftext|>": 100257,
             "<|fim_prefix|>": 100258,
@@ -173,7 +194,7 @@ def load_tokenizer(spec: str, data_dir: Path = DATA_DIR) -> TextTokenizer:
             tspec = TIKTOKEN_SPECS[spec]
             encoding = tiktoken.Encoding(
                 name=spec,
-                pat_str=tspec.pat_str,
+                pat_str=tspec.fast_pat_str,
                 mergeable_ranks=_read_ranks(tspec, data_dir),
                 special_tokens=tspec.special_tokens,
             )

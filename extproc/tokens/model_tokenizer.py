@@ -39,6 +39,12 @@ class ModelTokenizer:
     # Counts of short, boundary-aligned stream deltas (" the", ",", "\n"): they repeat a lot,
     # and a dict hit is several times cheaper than a call into the tokenizer.
     delta_counts: dict[str, int] = field(default_factory=dict, repr=False)
+    # The BPE streaming counter's version of the same memo: a delta that starts a new
+    # pre-tokenizer piece -> (its token count, the characters that would start the next
+    # piece right after it). One dict hit is all its fast path does.
+    piece_deltas: dict[str, tuple[int, frozenset[str]]] = field(
+        default_factory=dict, repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:

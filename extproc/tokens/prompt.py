@@ -30,12 +30,13 @@ Completions (``prompt``): a string, an array of strings (summed), an array of to
 
 Work is bounded: nesting is fixed by the schema (a part is never recursed into), message,
 part and tool-call counts are capped, and the text counted is never more than the body
-itself, so cost is linear in the body size the transport already limited.
+itself, so cost is linear in the body size the transport already limited. The texts are
+summed through ``TokenTally``, which counts them with one tokenizer call where that is
+provably the same number (``extproc.tokens.tally``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -43,6 +44,7 @@ import orjson
 
 from extproc.tokens.errors import MalformedRequest
 from extproc.tokens.model_tokenizer import ModelTokenizer
+from extproc.tokens.tally import TokenTally
 
 __all__ = ["CHAT_OVERHEAD", "Limits", "MalformedRequest", "count_prompt_tokens"]
 
@@ -141,44 +143,61 @@ def _count_chat(
     if len(messages) > limits.max_messages:
         raise MalformedRequest(f"messages has {len(messages)} items; at most {limits.max_messages}")
     overhead = CHAT_OVERHEAD[tok.family]
-    count = tok.count
+    tally = TokenTally(tok)
     budget = _PartBudget(limits)
     total = overhead.reply_priming + overhead.per_message * len(messages)
     for i, message in enumerate(messages):
-        where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise MalformedRequest(f"{where} must be an object, got {_type_name(message)}")
+            raise MalformedRequest(f"messages[{i}] must be an object, got {_type_name(message)}")
         role = message.get("role")
         if role not in ROLES:
-            raise MalformedRequest(f"{where}.role must be one of {', '.join(sorted(ROLES))}")
-        total += count(role)
+            raise MalformedRequest(
+                f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}"
+            )
+        tally.add(role)
         content = message.get("content")
         if isinstance(content, str):
-            total += count(content)
+            tally.add(content)
         elif isinstance(content, list):
-            total += _count_parts(content, where, count, image_tokens, budget)
+            total += _count_parts(content, f"messages[{i}]", tally, image_tokens, budget)
         elif content is not None or role != "assistant":
             # Only an assistant turn (one that calls tools) may have null content.
             raise MalformedRequest(
-                f"{where}.content must be a string or an array of content parts"
+                f"messages[{i}].content must be a string or an array of content parts"
             )
-        name = message.get("name")
-        if name is not None:
-            total += count(_require_str(name, f"{where}.name")) + overhead.per_name
-        tool_calls = message.get("tool_calls")
-        if tool_calls is not None:
-            total += _count_tool_calls(tool_calls, where, count, overhead, budget)
-        function_call = message.get("function_call")
-        if function_call is not None:
-            total += _count_call(function_call, f"{where}.function_call", count)
-            total += overhead.per_tool_call
-        tool_call_id = message.get("tool_call_id")
-        if tool_call_id is not None:
-            total += count(_require_str(tool_call_id, f"{where}.tool_call_id"))
-        refusal = message.get("refusal")
-        if refusal is not None:
-            total += count(_require_str(refusal, f"{where}.refusal"))
-    total += _count_tools(body, count, overhead, limits)
+        # Most messages are just role and content; only look for the rest when present.
+        if len(message) > (2 if "content" in message else 1):
+            total += _count_message_extras(message, f"messages[{i}]", tally, overhead, budget)
+    total += _count_tools(body, tally, overhead, limits)
+    return total + tally.total()
+
+
+def _count_message_extras(
+    message: dict[str, Any],
+    where: str,
+    tally: TokenTally,
+    overhead: ChatOverhead,
+    budget: _PartBudget,
+) -> int:
+    """Name, tool calls, legacy function call, tool call id and refusal of one message."""
+    total = 0
+    name = message.get("name")
+    if name is not None:
+        tally.add(_require_str(name, f"{where}.name"))
+        total += overhead.per_name
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        total += _count_tool_calls(tool_calls, where, tally, overhead, budget)
+    function_call = message.get("function_call")
+    if function_call is not None:
+        _count_call(function_call, f"{where}.function_call", tally)
+        total += overhead.per_tool_call
+    tool_call_id = message.get("tool_call_id")
+    if tool_call_id is not None:
+        tally.add(_require_str(tool_call_id, f"{where}.tool_call_id"))
+    refusal = message.get("refusal")
+    if refusal is not None:
+        tally.add(_require_str(refusal, f"{where}.refusal"))
     return total
 
 
@@ -210,10 +229,11 @@ class _PartBudget:
 def _count_parts(
     parts: list[Any],
     where: str,
-    count: Callable[[str], int],
+    tally: TokenTally,
     image_tokens: int,
     budget: _PartBudget,
 ) -> int:
+    """Adds the text parts to ``tally``; returns the flat cost of the attachments."""
     budget.take_parts(len(parts), f"{where}.content")
     total = 0
     for j, part in enumerate(parts):
@@ -223,7 +243,7 @@ def _count_parts(
         kind = part.get("type")
         field_name = TEXT_PART_FIELD.get(kind) if isinstance(kind, str) else None
         if field_name is not None:
-            total += count(_require_str(part.get(field_name), f"{at}.{field_name}"))
+            tally.add(_require_str(part.get(field_name), f"{at}.{field_name}"))
         elif kind in ATTACHMENT_PARTS:
             # Images cost a configured flat amount; audio and files are charged the same
             # flat amount (their real cost depends on decoding we do not do here).
@@ -236,18 +256,17 @@ def _count_parts(
     return total
 
 
-def _count_call(call: object, where: str, count: Callable[[str], int]) -> int:
+def _count_call(call: object, where: str, tally: TokenTally) -> None:
     if not isinstance(call, dict):
         raise MalformedRequest(f"{where} must be an object, got {_type_name(call)}")
-    name = _require_str(call.get("name"), f"{where}.name")
-    arguments = call.get("arguments", "")
-    return count(name) + count(_require_str(arguments, f"{where}.arguments"))
+    tally.add(_require_str(call.get("name"), f"{where}.name"))
+    tally.add(_require_str(call.get("arguments", ""), f"{where}.arguments"))
 
 
 def _count_tool_calls(
     tool_calls: object,
     where: str,
-    count: Callable[[str], int],
+    tally: TokenTally,
     overhead: ChatOverhead,
     budget: _PartBudget,
 ) -> int:
@@ -259,15 +278,15 @@ def _count_tool_calls(
         at = f"{where}.tool_calls[{k}]"
         if not isinstance(call, dict):
             raise MalformedRequest(f"{at} must be an object, got {_type_name(call)}")
-        total += _count_call(call.get("function"), f"{at}.function", count)
+        _count_call(call.get("function"), f"{at}.function", tally)
         call_id = call.get("id")
         if call_id is not None:
-            total += count(_require_str(call_id, f"{at}.id"))
+            tally.add(_require_str(call_id, f"{at}.id"))
     return total
 
 
 def _count_tools(
-    body: dict[str, Any], count: Callable[[str], int], overhead: ChatOverhead, limits: Limits
+    body: dict[str, Any], tally: TokenTally, overhead: ChatOverhead, limits: Limits
 ) -> int:
     """Tool (``tools``) and legacy function (``functions``) definitions."""
     definitions: list[tuple[str, object]] = []
@@ -299,18 +318,18 @@ def _count_tools(
             rendered = orjson.dumps(definition).decode()
         except (orjson.JSONEncodeError, TypeError) as exc:
             raise MalformedRequest(f"{where} cannot be rendered as JSON: {exc}") from None
-        total += count(rendered)
+        tally.add(rendered)
     return total
 
 
 def _count_completion(body: dict[str, Any], tok: ModelTokenizer, limits: Limits) -> int:
     prompt = body["prompt"]
-    count = tok.count
+    tally = TokenTally(tok)
     total = 0
     if isinstance(prompt, str):
-        total = count(prompt)
+        tally.add(prompt)
     elif isinstance(prompt, list):
-        total = _count_prompt_array(prompt, count, limits)
+        total = _count_prompt_array(prompt, tally, limits)
     else:
         raise MalformedRequest(
             "prompt must be a string, an array of strings, an array of tokens, "
@@ -318,21 +337,21 @@ def _count_completion(body: dict[str, Any], tok: ModelTokenizer, limits: Limits)
         )
     suffix = body.get("suffix")
     if suffix is not None:
-        total += count(_require_str(suffix, "suffix"))
-    return total
+        tally.add(_require_str(suffix, "suffix"))
+    return total + tally.total()
 
 
-def _count_prompt_array(prompt: list[Any], count: Callable[[str], int], limits: Limits) -> int:
+def _count_prompt_array(prompt: list[Any], tally: TokenTally, limits: Limits) -> int:
+    """Adds string prompts to ``tally``; returns the count of client-tokenized prompts."""
     if not prompt:
         return 0
     first = prompt[0]
     if isinstance(first, (str, list)) and len(prompt) > limits.max_prompts:
         raise MalformedRequest(f"prompt has {len(prompt)} prompts; at most {limits.max_prompts}")
     if isinstance(first, str):
-        total = 0
         for i, item in enumerate(prompt):
-            total += count(_require_str(item, f"prompt[{i}]"))
-        return total
+            tally.add(_require_str(item, f"prompt[{i}]"))
+        return 0
     if _is_token_id(first):
         for i, item in enumerate(prompt):
             if not _is_token_id(item):

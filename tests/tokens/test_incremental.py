@@ -26,6 +26,12 @@ TRICKY = [
     "\n\n", "0", "1", "9", ".", ",", "(", "}", "/", "_", "-", "é", "ж", "中", "の", "한",
     "😀", "👍🏽", "\u0301", "\u200d", "\u00a0", "ﬁ", "\ud83d", "\ude00", "<|endoftext|>",
 ]
+# Deltas the way a model streams them (one token each): they take the counter's fast path
+# whenever the previous text ends where a new piece must start.
+TOKEN_DELTAS = [
+    " the", "The", " 429", "42", ".", ",", ":", ":\n", "\n\n", " (", ")", " '", "'s", " I",
+    "'m", " don", "'t", "   ", " ", "\t", "é", " 中文", "。", " 😀", "\ufffd", "x", "2",
+]
 
 text_strategy = st.one_of(
     st.lists(st.sampled_from(TRICKY), max_size=120).map("".join),
@@ -61,6 +67,17 @@ def test_random_splits_of_random_texts_count_like_one_shot(
     tok: ModelTokenizer, text: str, cuts: list[int]
 ) -> None:
     assert_exact_after_every_delta(tok, chunks_of(text, cuts))
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(deltas=st.lists(st.sampled_from(TRICKY + TOKEN_DELTAS), max_size=60))
+def test_random_sequences_of_token_like_deltas_count_like_one_shot(
+    tok: ModelTokenizer, deltas: list[str]
+) -> None:
+    # Each delta is fed whole, so every pair of adjacent deltas meets at a delta boundary,
+    # where the counter decides whether the text before is final.
+    assert_exact_after_every_delta(tok, deltas)
 
 
 def test_corpus_streamed_one_character_at_a_time_equals_one_shot(tok: ModelTokenizer) -> None:
@@ -124,6 +141,26 @@ def test_work_per_stream_is_linear_not_quadratic(registry: TokenizerRegistry, mo
         counter.feed(text[i : i + 3])
     assert counter.total == tok.count(text)
     assert counted() < 40 * len(text)
+
+
+@pytest.mark.parametrize("model", ["gpt-4o", "gpt-4"])
+def test_work_stays_linear_after_a_giant_piece_is_finally_cut(
+    registry: TokenizerRegistry, model: str
+) -> None:
+    # A long unbroken piece pushes the next cut attempt far out; once a space ends it, the
+    # shorter text that follows (CJK with full stops: cuttable, but only by pieces) must
+    # be looked at again soon, not only after it has grown as long as the giant piece.
+    tok = registry.counter_for(model)
+    giant, rest = "a" * 3000, " " + "中文。" * 1500
+    counter = IncrementalCounter(tok)
+    counted = _spy_on_counted_chars(counter)
+    for i in range(0, len(giant), 3):
+        counter.feed(giant[i : i + 3])
+    giant_work = counted()
+    for ch in rest:
+        counter.feed(ch)
+    assert counter.total == tok.count(giant + rest)
+    assert counted() - giant_work < 200 * len(rest)
 
 
 def test_unknown_tokenizer_kind_is_refused(registry: TokenizerRegistry) -> None:
