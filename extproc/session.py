@@ -107,10 +107,17 @@ class Session:
         try:
             self.tenant = self.admission.authenticate(headers)
             method = headers.get(":method", "GET")
-            if method == "POST" and self.path not in METERED_PATHS:
+            # Only metered endpoints and the model list reach the upstream: anything else
+            # (embeddings, the server's admin or metrics pages) would bypass the meter.
+            allowed = (
+                self.path in METERED_PATHS
+                if method == "POST"
+                else method == "GET" and self.path.startswith("/v1/models")
+            )
+            if not allowed:
                 raise ApiError(
                     404,
-                    f"Unknown or unmetered endpoint: POST {self.path}",
+                    f"Unknown or unmetered endpoint: {method} {self.path}",
                     "invalid_request_error",
                     "unknown_url",
                 )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -234,12 +236,19 @@ def test_bad_input_gets_an_openai_error_and_the_processor_keeps_serving(
     assert chat(client(gateway, "roomy"), max_tokens=2).choices
 
 
-def test_unmetered_post_endpoint_is_refused_and_models_list_passes(gateway: Gateway) -> None:
+def test_unmetered_endpoints_are_refused_and_models_list_passes(gateway: Gateway) -> None:
     status, reply = asyncio.run(
         _post(gateway, "/v1/embeddings", {"x-api-key": tenant_key("roomy")}, b"{}")
     )
     assert status == 404
     assert orjson.loads(reply)["error"]["code"] == "unknown_url"
+    # The model server's own admin page is not reachable through the gateway either.
+    request = urllib.request.Request(
+        gateway.base_url + "/admin/config", headers={"x-api-key": tenant_key("roomy")}
+    )
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=10)
+    assert info.value.code == 404
     models = client(gateway, "roomy").models.list()
     assert any(m.id == "gpt-4.1" for m in models.data)
 
