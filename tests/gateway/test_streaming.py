@@ -56,6 +56,8 @@ TENANTS = {
     "cut_sdk": budget_plan(300),
     "cut_abort": budget_plan(300),
     "truncate": budget_plan(300, on_exhaustion="truncate"),
+    "completions": budget_plan(300),
+    "continuous": budget_plan(300),
     "disconnect": budget_plan(1_000_000),
     "upstream_error": {**budget_plan(1_000_000), "limits": {"*": {"rpm": 100, "tpm": 1_000_000}}},
 }
@@ -203,6 +205,35 @@ def test_cut_off_stops_the_model_generating(gateway: Gateway, slow_simulator: Si
     assert wait_until(lambda: aborts(slow_simulator) == before + 1, timeout_s=5, interval_s=0.002)
     # Generous bound for a loaded CI machine; benchmarks/ measures the real figure.
     assert time.monotonic() - cut_at < 1.0
+
+
+def test_completions_stream_is_cut_at_the_budget_too(
+    gateway: Gateway, redis_client: redis.Redis
+) -> None:
+    request = {
+        "model": "gpt-4.1",
+        "prompt": "Once upon a time, a quota",
+        "stream": True,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+    }
+    result = asyncio.run(
+        stream_http1(gateway.base_url + "/v1/completions", tenant_key("completions"), request)
+    )
+    assert result.clean_end and result.done
+    assert result.error is not None and result.error["code"] == "tpm_limit_exceeded"
+    assert result.output_tokens() == 300 - prompt_tokens(request)
+    assert wait_until(lambda: counter_value(redis_client, "completions", "tpm", "gpt-4.1") == 300)
+
+
+def test_continuous_usage_from_the_upstream_is_metered_to_the_same_exact_budget(
+    gateway: Gateway, redis_client: redis.Redis
+) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    request = payload(max_tokens=2000, ignore_eos=True, stream_options=options)
+    result = asyncio.run(stream_http1(url(gateway), tenant_key("continuous"), request))
+    assert any(isinstance(e, dict) and e.get("choices") and e.get("usage") for e in result.events)
+    _assert_cut_exactly_at_budget(result, redis_client, "continuous", request)
 
 
 def test_truncate_mode_ends_with_a_length_stop_instead_of_an_error(
