@@ -15,12 +15,17 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-import grpc
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stack.envoy import EnvoyPorts, envoy_argv, render_bootstrap
-from tests.support.gateway import Envoy, Processor, http_get, key_hash, write_config
+from tests.support.gateway import (
+    Envoy,
+    Processor,
+    grpc_serving,
+    http_get,
+    key_hash,
+    write_config,
+)
 from tests.support.procs import ManagedProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,16 +69,6 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def grpc_serving(port: int) -> bool:
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
 
 
 def write_bench_config(path: Path, redis_url: str, batch_tokens: int = 32) -> Path:

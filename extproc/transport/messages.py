@@ -46,22 +46,21 @@ def mutation(
 # sub-message and costs ~4x more (9 µs vs 2.5 µs for a streamed body) on the hot path.
 
 
-def continue_request_headers(headers: pb.HeaderMutation | None = None) -> pb.ProcessingResponse:
+def _headers_response(phase: str, headers: pb.HeaderMutation | None) -> pb.ProcessingResponse:
     response = pb.ProcessingResponse()
-    common = response.request_headers.response
+    common = getattr(response, phase).response
     common.SetInParent()
     if headers is not None:
         common.header_mutation.CopyFrom(headers)
     return response
+
+
+def continue_request_headers(headers: pb.HeaderMutation | None = None) -> pb.ProcessingResponse:
+    return _headers_response("request_headers", headers)
 
 
 def continue_response_headers(headers: pb.HeaderMutation | None = None) -> pb.ProcessingResponse:
-    response = pb.ProcessingResponse()
-    common = response.response_headers.response
-    common.SetInParent()
-    if headers is not None:
-        common.header_mutation.CopyFrom(headers)
-    return response
+    return _headers_response("response_headers", headers)
 
 
 def continue_request_body(

@@ -39,7 +39,8 @@ def write_config(path: Path, doc: dict[str, Any]) -> Path:
     return path
 
 
-def _grpc_serving(port: int) -> bool:
+def grpc_serving(port: int) -> bool:
+    """The processor's standard gRPC health check answers SERVING."""
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -68,7 +69,7 @@ class Processor:
         if redis_url:
             argv += ["--redis-url", redis_url]
         process = ManagedProcess(argv, log_dir / f"extproc-{port}.log", cwd=ROOT)
-        process.wait_ready(lambda: _grpc_serving(port), timeout_s=30)
+        process.wait_ready(lambda: grpc_serving(port), timeout_s=30)
         return cls(process, port, metrics_port)
 
     def metrics(self) -> dict[str, float]:
