@@ -42,11 +42,18 @@ SETTLE_ATTEMPTS = 3
 _DONE = b"data: [DONE]\n\n"
 
 
+_PLAIN_DELTA_KEYS = frozenset(("role", "content"))
+
+
 def delta_text(choice: dict[str, Any]) -> str:
     """The generated text one chunk choice carries: content, reasoning, tool-call arguments."""
+    delta = choice.get("delta")
+    # Nearly every chat chunk is a plain content delta: answer it without the general walk.
+    if type(delta) is dict and delta.keys() <= _PLAIN_DELTA_KEYS and "text" not in choice:
+        content = delta.get("content")
+        return content if type(content) is str else ""
     text = choice.get("text")  # /v1/completions
     parts: list[str] = [text] if isinstance(text, str) else []
-    delta = choice.get("delta")
     if isinstance(delta, dict):
         for field in ("content", "reasoning_content", "reasoning", "refusal"):
             value = delta.get(field)
@@ -77,6 +84,7 @@ class ResponseMeter:
         self.leased = admitted.output_reserved  # output tokens covered so far
         self.delivered = 0  # output tokens in events forwarded to the client
         self.counted = 0  # output tokens in every event parsed so far (delivered or not)
+        self.text_tokens = 0  # our own count of the text so far, summed over choices
         self.seq = 0  # lease batch sequence number (idempotency with the request id)
         self.lease_task: asyncio.Task[None] | None = None
         self.exhausted = False
@@ -151,7 +159,10 @@ class ResponseMeter:
             return b""
         self.metrics.events_total += len(events)
         costs = [self._cost(event) for event in events]
-        need = self.delivered + sum(c for c in costs if c > 0)
+        need = self.delivered
+        for cost in costs:
+            if cost > 0:
+                need += cost
         if need > self.leased and self.incremental:
             self.metrics.events_waited_total += len(events)
             await self._cover(need)
@@ -193,21 +204,21 @@ class ResponseMeter:
             # vLLM continuous_usage_stats: the upstream's own running count.
             self.upstream_usage = usage
             return self._advance(usage["completion_tokens"])
-        total = self.counted
-        if isinstance(choices, list):
-            for choice in choices:
-                if not isinstance(choice, dict):
-                    continue
-                text = delta_text(choice)
-                if text:
-                    index = choice.get("index", 0)
-                    counter = self._counters.get(index)
-                    if counter is None:
-                        counter = self._counters[index] = IncrementalCounter(
-                            self.admitted.tokenizer
-                        )
-                    counter.feed(text)
-            total = sum(c.total for c in self._counters.values())
+        if not isinstance(choices, list):
+            return 0
+        total = self.text_tokens
+        for choice in choices:
+            if type(choice) is not dict:
+                continue
+            text = delta_text(choice)
+            if text:
+                index = choice.get("index", 0)
+                counter = self._counters.get(index)
+                if counter is None:
+                    counter = self._counters[index] = IncrementalCounter(self.admitted.tokenizer)
+                before = counter.total
+                total += counter.feed(text) - before
+        self.text_tokens = total
         return self._advance(total)
 
     def _advance(self, total: int) -> int:
