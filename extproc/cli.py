@@ -37,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--redis-url", help="override the config's redis_url")
     serve.add_argument("--metrics-listen", help="host:port for Prometheus /metrics (off if unset)")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes on consecutive ports from --listen (and --metrics-listen); list them "
+        "all in Envoy's processor cluster",
+    )
     check = sub.add_parser("check-config", help="validate a config, print its normal form and hash")
     check.add_argument("config")
     args = parser.parse_args(argv)
@@ -63,6 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"invalid config: {exc}", file=sys.stderr)
         return 2
+    if args.workers < 1:
+        print("--workers must be at least 1", file=sys.stderr)
+        return 2
+    if args.workers > 1:
+        from extproc.transport.workers import supervise
+
+        shared = ["--config", args.config, "--log-level", args.log_level]
+        if args.redis_url:
+            shared += ["--redis-url", args.redis_url]
+        return supervise(shared, args.workers, config.listen, args.metrics_listen)
     from extproc.transport.server import serve as run_server
 
     try:

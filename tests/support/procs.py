@@ -18,6 +18,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_port_run(count: int, attempts: int = 50) -> int:
+    """The first of ``count`` consecutive free loopback ports (for multi-worker processes)."""
+    for _ in range(attempts):
+        first = free_port()
+        socks = []
+        try:
+            for offset in range(count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind(("127.0.0.1", first + offset))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no run of {count} free ports found")
+
+
 def wait_for_port(port: int, timeout_s: float = 15.0, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
