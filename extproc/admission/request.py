@@ -18,6 +18,8 @@ import orjson
 
 from extproc.admission.errors import invalid_request, model_not_found, too_large
 from extproc.config import Config, ModelSpec
+from extproc.tokens.errors import MalformedRequest
+from extproc.tokens.text import decode_utf8
 
 Endpoint = Literal["chat", "completions"]
 METERED_PATHS: dict[str, Endpoint] = {
@@ -55,7 +57,10 @@ def parse_model_request(endpoint: Endpoint, raw: bytes, config: Config) -> Model
     if len(raw) > config.max_body_bytes:
         raise too_large(config.max_body_bytes)
     try:
-        body = orjson.loads(raw)
+        # Decoded first so a body that is not UTF-8 is named as such, with the bad byte.
+        body = orjson.loads(decode_utf8(raw))
+    except MalformedRequest as exc:
+        raise invalid_request(str(exc), "invalid_encoding") from exc
     except orjson.JSONDecodeError as exc:
         raise invalid_request(f"The request body is not valid JSON: {exc}", "invalid_json") from exc
     if not isinstance(body, dict):

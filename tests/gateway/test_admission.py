@@ -193,6 +193,12 @@ def test_replayed_request_id_is_not_charged_twice(
         ({"authorization": "Bearer sk-nope"}, b'{"model":"gpt-4.1"}', 401, "invalid_api_key"),
         ({"x-api-key": tenant_key("badinput")}, b'{"model": "gpt-4.1", ', 400, "invalid_json"),
         ({"x-api-key": tenant_key("badinput")}, b"[1, 2]", 400, "invalid_json"),
+        (
+            {"x-api-key": tenant_key("badinput")},
+            b'{"model":"gpt-4.1","messages":[{"role":"user","content":"\xff\xfe"}]}',
+            400,
+            "invalid_encoding",
+        ),
         ({"x-api-key": tenant_key("badinput")}, b'{"messages": []}', 400, "missing_model"),
         (
             {"x-api-key": tenant_key("badinput")},
@@ -221,7 +227,7 @@ def test_replayed_request_id_is_not_charged_twice(
             "request_too_large",
         ),
     ],
-    ids=["no-key", "unknown-key", "truncated-json", "not-an-object", "no-model",
+    ids=["no-key", "unknown-key", "truncated-json", "not-an-object", "invalid-utf8", "no-model",
          "negative-max-tokens", "messages-not-a-list", "unknown-model", "huge-body"],
 )  # fmt: skip
 def test_bad_input_gets_an_openai_error_and_the_processor_keeps_serving(

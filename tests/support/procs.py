@@ -37,19 +37,6 @@ def free_port_run(count: int, attempts: int = 50) -> int:
     raise RuntimeError(f"no run of {count} free ports found")
 
 
-def wait_for_port(port: int, timeout_s: float = 15.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before port {port} opened")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.02)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
-
-
 class ManagedProcess:
     """A child process in its own session, logged to a file, stopped by PID on ``stop``."""
 
