@@ -50,8 +50,8 @@ def test_tenant_overrides_are_merged_over_the_plan() -> None:
         (lambda d: d["tenants"]["acme"].update(key_sha256=["abc"]), "tenants.acme.key_sha256[0]"),
         (lambda d: d["models"]["gpt-4.1"].update(default_max_tokens=99999),
          "models.gpt-4.1.default_max_tokens"),
-        (lambda d: d["models"]["gpt-4o-mini"].update(aliases=["my-gpt-alias"]),
-         "models.gpt-4o-mini"),
+        (lambda d: d["models"].update({"other": {"aliases": ["my-gpt-alias"]}}),
+         "models.other"),
         (lambda d: d.update(redis_url="http://x"), "redis_url"),
         (lambda d: d.update(colour="blue"), "colour"),
     ],
@@ -116,3 +116,11 @@ def test_rendered_envoy_bootstrap_passes_envoy_validate(
     result = validate(path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout
+
+
+def test_stack_models_are_all_served_by_the_stacks_simulator_profile() -> None:
+    profile = yaml.safe_load((ROOT / "simulator_profiles" / "fast.yaml").read_text())
+    served = {profile["model"], *profile.get("served-model-name", [])}
+    config = parse_config(base_doc())
+    names = {name for m in config.models.values() for name in (m.name, *m.aliases)}
+    assert names <= served, names - served
