@@ -342,3 +342,20 @@ def test_quota_backend_outage_answers_503_and_the_processor_recovers(
     finally:
         gw.stop()
         own_redis.stop()
+
+
+def test_embedded_memory_backend_enforces_limits_without_redis(
+    tmp_path: Path, simulators: list[Simulator]
+) -> None:
+    tenants = {"solo": {"window_s": WINDOW_S, "limits": {"*": {"rpm": 2}}}}
+    config = write_processor_config(tmp_path / "quota.yaml", tenants, redis_url="memory://")
+    gw = start_gateway(config, tmp_path, [s.port for s in simulators])
+    try:
+        c = client(gw, "solo")
+        chat(c, max_tokens=2)
+        chat(c, max_tokens=2)
+        with pytest.raises(openai.RateLimitError) as info:
+            chat(c, max_tokens=2)
+        assert info.value.code == "rpm_limit_exceeded"
+    finally:
+        gw.stop()
