@@ -17,12 +17,11 @@ from typing import Any
 
 import yaml
 
-from stack.envoy import EnvoyPorts, envoy_argv, render_bootstrap
+from stack.envoy import EnvoyPorts, render_bootstrap
 from tests.support.gateway import (
     Envoy,
     Processor,
     grpc_serving,
-    http_get,
     key_hash,
     write_config,
 )
@@ -153,17 +152,10 @@ def start_envoy(
         yaml.safe_dump(bootstrap(ports, processor_port, backend_port, access_log))
     )
     # Access-log lines are read right after each run: flush them every 100 ms, not 10 s.
-    argv = [*envoy_argv(config_path, base_id=ports.listen), "--file-flush-interval-msec", "100"]
-    process = ManagedProcess(argv, log_dir / f"envoy-{name}.log")
-
-    def ready() -> bool:
-        try:
-            return http_get(f"http://127.0.0.1:{ports.admin}/ready", 0.5)[0] == 200
-        except OSError:
-            return False
-
-    process.wait_ready(ready, timeout_s=30)
-    return Envoy(process, ports, config_path), access_log
+    envoy = Envoy.launch(
+        config_path, ports, log_dir / f"envoy-{name}.log", "--file-flush-interval-msec", "100"
+    )
+    return envoy, access_log
 
 
 def upstream_sent_at(

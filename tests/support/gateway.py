@@ -107,8 +107,15 @@ class Envoy:
         config_path.write_text(
             render_bootstrap(ports, processor_ports, backend_ports, buffer_limit_bytes)
         )
+        return cls.launch(config_path, ports, log_dir / f"envoy-{ports.listen}.log")
+
+    @classmethod
+    def launch(
+        cls, config_path: Path, ports: EnvoyPorts, log_path: Path, *extra_args: str
+    ) -> Envoy:
+        """Start Envoy on a written bootstrap and wait until its admin says ready."""
         process = ManagedProcess(
-            envoy_argv(config_path, base_id=ports.listen), log_dir / f"envoy-{ports.listen}.log"
+            [*envoy_argv(config_path, base_id=ports.listen), *extra_args], log_path
         )
 
         def ready() -> bool:
