@@ -94,18 +94,7 @@ def write_bench_config(path: Path, redis_url: str, batch_tokens: int = 32) -> Pa
 def start_billing_processor(
     config_path: Path, log_dir: Path, redis_url: str, cpus: str | None = None
 ) -> Processor:
-    port, metrics_port = free_port(), free_port()
-    argv = [
-        sys.executable, "-m", "extproc", "serve",
-        "--config", str(config_path),
-        "--listen", f"127.0.0.1:{port}",
-        "--metrics-listen", f"127.0.0.1:{metrics_port}",
-        "--redis-url", redis_url,
-        "--log-level", "warning",
-    ]  # fmt: skip
-    process = ManagedProcess(pinned(argv, cpus), log_dir / f"extproc-{port}.log", cwd=ROOT)
-    process.wait_ready(lambda: grpc_serving(port), timeout_s=30)
-    return Processor(process, port, metrics_port)
+    return Processor.start(config_path, log_dir, redis_url, prefix=pinned([], cpus))
 
 
 def start_noop_processor(log_dir: Path, cpus: str | None = None) -> tuple[ManagedProcess, int]:

@@ -7,6 +7,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,17 @@ class Processor:
     metrics_port: int
 
     @classmethod
-    def start(cls, config_path: Path, log_dir: Path, redis_url: str | None = None) -> Processor:
+    def start(
+        cls,
+        config_path: Path,
+        log_dir: Path,
+        redis_url: str | None = None,
+        prefix: Sequence[str] = (),
+    ) -> Processor:
+        """``prefix`` runs the processor under a launcher (e.g. ``taskset -c 0``)."""
         port, metrics_port = free_port(), free_port()
         argv = [
+            *prefix,
             sys.executable, "-m", "extproc", "serve",
             "--config", str(config_path),
             "--listen", f"127.0.0.1:{port}",
