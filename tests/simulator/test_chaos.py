@@ -88,8 +88,13 @@ async def test_disconnect_rate_cuts_streams_before_done(sim: Simulator, chaos):
     events = parse_sse(raw)
     assert not clean, "the connection should be cut, not finished"
     assert b"[DONE]" not in events
-    assert 1 <= len(events) < 40
-    assert all(orjson.loads(e)["choices"][0]["finish_reason"] is None for e in events)
+    chunks = [orjson.loads(e) for e in events]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+    # The role event comes first; the cut lands before the last of the max_tokens token
+    # events, after at least one of them.
+    role, *tokens = chunks
+    assert role["choices"][0]["delta"]["role"] == "assistant"
+    assert 1 <= len(tokens) < BODY["max_tokens"]
     assert counted == aborts + 1
 
     client = openai.AsyncOpenAI(base_url=sim.url("/v1"), api_key="x", max_retries=0)
@@ -99,9 +104,10 @@ async def test_disconnect_rate_cuts_streams_before_done(sim: Simulator, chaos):
     await client.close()
 
 
-async def test_stall_pauses_one_stream_once_for_the_configured_time(sim: Simulator, chaos):
-    await chaos({"ext-stall-rate": 100, "ext-stall-duration": "400ms"})
+async def _arrivals(sim: Simulator) -> tuple[float, list[float]]:
+    """When the request was sent and when each ``data:`` event arrived (monotonic)."""
     arrivals = []
+    sent = time.monotonic()
     async with (
         aiohttp.ClientSession() as session,
         session.post(sim.url("/v1/chat/completions"), json=BODY) as resp,
@@ -109,10 +115,26 @@ async def test_stall_pauses_one_stream_once_for_the_configured_time(sim: Simulat
         async for line in resp.content:
             if line.startswith(b"data: "):
                 arrivals.append(time.monotonic())
+    return sent, arrivals
+
+
+async def test_stall_pauses_one_stream_once_for_the_configured_time(sim: Simulator, chaos):
+    stall_s = 0.6
+    # What the same stream takes on this machine right now, without a stall.
+    base_sent, base_arrivals = await _arrivals(sim)
+    baseline = base_arrivals[-1] - base_sent
+    await chaos({"ext-stall-rate": 100, "ext-stall-duration": f"{int(stall_s * 1000)}ms"})
+    sent, arrivals = await _arrivals(sim)
+    assert len(arrivals) == len(base_arrivals)  # a stall delays events, it drops none
+    # The pause really elapsed: the stream cannot end sooner than the configured stall.
+    assert arrivals[-1] - sent >= stall_s
+    # One pause, not one per event: exactly one gap is even half as long as the stall
+    # (a client that reads late can shorten the gap it sees, never by half a stall).
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-    long_gaps = [g for g in gaps if g >= 0.3]
+    long_gaps = [g for g in gaps if g >= stall_s / 2]
     assert len(long_gaps) == 1, gaps
-    assert long_gaps[0] < 2.0
+    # Of the configured length, not a multiple of it: bounded by what this machine needed.
+    assert long_gaps[0] < 3 * stall_s + baseline, (long_gaps, baseline)
 
 
 async def test_malformed_event_rate_injects_one_unparseable_event(sim: Simulator, chaos):
@@ -132,27 +154,51 @@ async def test_malformed_event_rate_injects_one_unparseable_event(sim: Simulator
     assert len(broken) == 1
 
 
-async def test_split_writes_cut_events_across_tcp_reads(sim: Simulator, chaos):
-    await chaos({"ext-split-writes-rate": 100})
-    body = orjson.dumps({**BODY, "max_tokens": 10})
+async def _chunked_stream(sim: Simulator, max_tokens: int) -> tuple[bytes, list[bytes]]:
+    """A stream over a raw socket: the response head and its HTTP chunks, one per write."""
+    body = orjson.dumps({**BODY, "max_tokens": max_tokens})
     reader, writer = await asyncio.open_connection("127.0.0.1", sim.port)
     writer.write(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
     )
-    reads = []
-    while data := await reader.read(65536):
-        reads.append(data)
+    raw = await reader.read()
     writer.close()
-    raw = b"".join(reads)
     head, _, chunked = raw.partition(b"\r\n\r\n")
-    payload = _dechunk(chunked)
-    events = parse_sse(payload)
+    return head, _dechunk(chunked)
+
+
+def _events_cut_by_a_write(chunks: list[bytes]) -> list[bool]:
+    """For each SSE event of the body: does a write (chunk) boundary fall inside it?"""
+    ends = set(itertools.accumulate(len(c) for c in chunks))
+    payload = b"".join(chunks)
+    cut = []
+    start = 0
+    while (stop := payload.find(b"\n\n", start)) >= 0:
+        stop += 2
+        cut.append(any(start < end < stop for end in ends))
+        start = stop
+    return cut
+
+
+async def test_split_writes_cut_events_across_tcp_reads(sim: Simulator, chaos):
+    # Without the fault every event leaves in one write: the check below can tell.
+    head, chunks = await _chunked_stream(sim, 10)
+    assert b"200 OK" in head
+    assert not any(_events_cut_by_a_write(chunks))
+
+    await chaos({"ext-split-writes-rate": 100})
+    head, chunks = await _chunked_stream(sim, 10)
+    events = parse_sse(b"".join(chunks))
     assert b"200 OK" in head
     assert events[-1] == b"[DONE]"
     assert all(orjson.loads(e) for e in events[:-1])
-    # Every event arrives in two or three pieces.
-    assert len(reads) > 2 * (len(events) - 1)
+    # The server writes every token event in two or three pieces, each its own HTTP chunk
+    # (so its own TCP send). The first piece also carries the role event and the closing
+    # events leave whole: every event from the second token to the last token is cut.
+    cut = _events_cut_by_a_write(chunks)
+    assert len(cut) == len(events) == 10 + 3
+    assert all(cut[2:-2]), cut
 
     client = openai.AsyncOpenAI(base_url=sim.url("/v1"), api_key="x")
     text = ""
@@ -162,15 +208,16 @@ async def test_split_writes_cut_events_across_tcp_reads(sim: Simulator, chaos):
     assert text
 
 
-def _dechunk(data: bytes) -> bytes:
-    out = bytearray()
+def _dechunk(data: bytes) -> list[bytes]:
+    """The chunks of a complete chunked body, in order."""
+    chunks = []
     pos = 0
     while True:
         end = data.index(b"\r\n", pos)
         size = int(data[pos:end], 16)
         if size == 0:
-            return bytes(out)
-        out += data[end + 2 : end + 2 + size]
+            return chunks
+        chunks.append(data[end + 2 : end + 2 + size])
         pos = end + 2 + size + 2
 
 

@@ -67,15 +67,21 @@ def parse_events(body: bytes) -> list[dict | str]:
 
 
 async def stream_http1(
-    url: str, api_key: str, payload: dict, headers: dict[str, str] | None = None
+    url: str,
+    api_key: str,
+    payload: dict | bytes,
+    headers: dict[str, str] | None = None,
+    first_event: asyncio.Event | None = None,
 ) -> StreamResult:
     """POST over a raw HTTP/1.1 socket and keep every byte that arrived, even after a reset.
 
     HTTP client libraries drop buffered data when the connection breaks; a meter test needs
     exactly what reached the client, so the response is read and de-chunked here.
+    ``first_event``, if given, is set once the first SSE event has arrived: a test that must
+    act while the stream is running awaits it instead of sleeping.
     """
     parsed = urlsplit(url)
-    body = orjson.dumps(payload)
+    body = payload if isinstance(payload, bytes) else orjson.dumps(payload)  # bytes: as written
     head = [
         f"POST {parsed.path} HTTP/1.1",
         f"Host: {parsed.hostname}:{parsed.port}",
@@ -92,6 +98,10 @@ async def stream_http1(
     try:
         while chunk := await asyncio.wait_for(reader.read(65536), timeout=60):
             raw += chunk
+            if first_event is not None and not first_event.is_set():
+                _, _, received = bytes(raw).partition(b"\r\n\r\n")
+                if b"data:" in received:
+                    first_event.set()
     except (ConnectionResetError, asyncio.IncompleteReadError):
         pass
     finally:
