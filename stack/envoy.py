@@ -40,11 +40,32 @@ def _endpoints(ports: list[int]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessorHealthCheck:
+    """Envoy's gRPC health check of the processors (the shipped values are the defaults)."""
+
+    interval_s: float = 1.0
+    unhealthy_threshold: int = 2
+
+    @property
+    def drain_delay_s(self) -> float:
+        """How long a processor told to stop must keep taking new streams: until Envoy's
+        checks have seen NOT_SERVING ``unhealthy_threshold`` times, plus one interval for the
+        check in flight. The processor's ``drain_delay_s`` default (3 s) is this for 1 s x 2.
+        """
+        return self.interval_s * (self.unhealthy_threshold + 1)
+
+
+def _duration(seconds: float) -> str:
+    return f"{round(seconds, 3):g}s"  # protobuf JSON: seconds with an "s"
+
+
 def render_bootstrap(
     ports: EnvoyPorts,
     processor_ports: list[int],
     backend_ports: list[int],
     buffer_limit_bytes: int = (1 << 20) + 65536,
+    health_check: ProcessorHealthCheck = ProcessorHealthCheck(),
 ) -> str:
     return Template(TEMPLATE.read_text()).substitute(
         LISTEN_PORT=ports.listen,
@@ -52,6 +73,8 @@ def render_bootstrap(
         BUFFER_LIMIT_BYTES=buffer_limit_bytes,
         PROCESSOR_ENDPOINTS=_endpoints(processor_ports),
         BACKEND_ENDPOINTS=_endpoints(backend_ports),
+        PROCESSOR_HEALTH_INTERVAL=_duration(health_check.interval_s),
+        PROCESSOR_UNHEALTHY_THRESHOLD=health_check.unhealthy_threshold,
     )
 
 
