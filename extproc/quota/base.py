@@ -31,6 +31,40 @@ Other edges: ``reserve`` on a request that was refused, never admitted, or alrea
 grants 0 and charges nothing; a refused batch records nothing, so its ``seq`` may be tried
 again. ``settle`` without an admitted record (refused, unknown, or expired after
 ``record_ttl_s``) charges nothing and returns ``reserved=0``.
+
+Cancellation reconciles an admission whose reply was lost (the call timed out or the
+connection dropped: the admit script may have run, may run later, or may never run).
+``cancel`` is safe in every case and idempotent, so a caller simply retries it until it gets
+an answer:
+
+* an admitted, unsettled record is settled with ``used=0``: the whole token reservation
+  (admission + batches) is refunded as ``settle`` would; the request counters (RPM) keep
+  the attempt;
+* a refused record is marked settled (it held no tokens);
+* without a record (the admit has not run yet, e.g. it is still queued behind a paused
+  server) a tombstone is written on the record key for ``tombstone_ttl_s``: an ``admit``
+  arriving later for that key charges nothing at all, not even RPM, and returns
+  ``Verdict(admitted=False, cancelled=True)``;
+* a record already settled or cancelled is left alone (``already_settled=True``, first
+  settlement returned).
+
+After ``cancel``, ``reserve`` grants 0, ``settle`` is a no-op (``already_settled``), and a
+replayed ``admit`` returns ``cancelled=True`` (``replayed=True`` when the admission had run
+before the cancel, with its first states).
+
+Failures: a backend that cannot answer raises ``QuotaUnavailable`` (connection refused or
+reset, authentication, server error replies); one that does not answer within its per-call
+deadline raises ``QuotaTimeout`` (a ``QuotaUnavailable``). Either way the caller does not know
+whether an ``admit`` was applied, so it must ``cancel`` the key (and may retry every call:
+all are idempotent on their key and ``seq``).
+
+Record lifetimes: an open (admitted, unsettled) record lives ``record_ttl_s`` (an hour); once
+``settle`` has run it lives at most ``SETTLED_TTL_S`` (backends take ``settled_ttl_s``), which
+is what the settling processor's own retries need (a retry within it gets
+``already_settled``; one after it finds no record and charges nothing). ``cancel`` keeps the
+record's TTL and writes its tombstone for ``tombstone_ttl_s``: an admit may still be queued
+for that key. A processor that dies leaves its open records to its peers
+(``extproc.quota.orphans``).
 """
 
 from __future__ import annotations
@@ -39,6 +73,27 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 CounterKind = Literal["rpm", "tpm", "tenant_tpm", "daily"]
+TOKEN_KINDS: frozenset[CounterKind] = frozenset({"tpm", "tenant_tpm", "daily"})
+
+# Default lifetime of a reservation record, and of the tombstone ``cancel`` writes when no
+# record exists yet: it must outlive any admit still in flight for that key.
+RECORD_TTL_S = 3600
+# Lifetime of a record once settled: the settling processor retries ``settle`` for a few
+# seconds at most (and never re-runs an admit whose reply it has seen), so two minutes
+# answer every retry; the hour above would hold ~1 KB per request for nothing.
+SETTLED_TTL_S = 120
+
+
+class QuotaUnavailable(Exception):
+    """The backend could not answer (connection refused/reset, auth, an error reply).
+
+    The original error is the ``__cause__``. The outcome of the call is unknown: an admit
+    that raised this may still have been applied, so cancel its key.
+    """
+
+
+class QuotaTimeout(QuotaUnavailable):
+    """The backend did not answer within the per-call deadline (``command_timeout_s``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +104,10 @@ class Counter:
     key: str
     limit: int
     window_s: int
+    # This processor's own allowance on the counter while the backend is unavailable (a
+    # plan with ``on_backend_failure: open``: ``limit`` × ``fail_open_fraction``, rounded
+    # up); None: requests on it fail closed. Backends themselves ignore it.
+    fail_open_limit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +128,15 @@ class Verdict:
     # One state per counter of the request, request counters first, in the order given.
     states: tuple[CounterState, ...] = ()
     replayed: bool = False
+    # The key was cancelled (``cancel``) before or after its admission ran: nothing is (or
+    # stays) charged for it, ``admitted`` is False and ``refused_by`` None. With
+    # ``replayed=False`` the admission met a tombstone and charged nothing at all.
+    cancelled: bool = False
+    # Admitted from this processor's fail-open allowance while the backend was unavailable
+    # (``extproc.quota.resilient``); reconciled into the backend when it returns.
+    local: bool = False
+    # A soft refusal (``AdmitRequest.soft_refusal``): nothing charged or recorded.
+    retry_soon: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +147,11 @@ class Grant:
     states: tuple[CounterState, ...] = ()
     # True when this seq was granted before: the first grant is returned, nothing charged.
     replayed: bool = False
+    # Granted from this processor's fail-open allowance (see ``Verdict.local``).
+    local: bool = False
+    # On a refusal: other admitted, unsettled requests of the tenant, whose unused
+    # reservations come back when they settle (the refusal may not be final).
+    others_open: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +163,9 @@ class Settlement:
     # Tokens given back per token counter, in the order passed to ``settle``: counters
     # with different windows (minute TPM vs daily) differ after a window boundary.
     refunded_per_counter: tuple[int, ...] = ()
+    # Not applied yet: the backend is unavailable and the call waits in a local queue, to be
+    # applied (it is idempotent on its key) when the backend returns.
+    queued: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +176,18 @@ class AdmitRequest:
     tokens: int
     count_refused_attempts: bool = True
     # How long the reservation record outlives an unsettled request (crash safety).
-    record_ttl_s: int = 3600
+    record_ttl_s: int = RECORD_TTL_S
+    # A refusal by a token counter while other requests of the tenant are open (their
+    # unused leases come back when they settle) charges and records nothing and says so
+    # (``Verdict.retry_soon``): the caller may ask again shortly with the same key.
+    soft_refusal: bool = False
+
+    @property
+    def fail_open(self) -> bool:
+        """The request may be admitted from a local allowance when the backend is down:
+        every counter carries a ``fail_open_limit`` (the policy resolver puts it there)."""
+        counters = self.request_counters + self.token_counters
+        return bool(counters) and all(c.fail_open_limit is not None for c in counters)
 
 
 class QuotaBackend(Protocol):
@@ -117,6 +204,13 @@ class QuotaBackend(Protocol):
 
     async def settle(
         self, reservation_key: str, token_counters: tuple[Counter, ...], used: int
+    ) -> Settlement: ...
+
+    async def cancel(
+        self,
+        reservation_key: str,
+        token_counters: tuple[Counter, ...],
+        tombstone_ttl_s: int = RECORD_TTL_S,
     ) -> Settlement: ...
 
     async def ping(self) -> bool: ...

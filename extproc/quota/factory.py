@@ -4,16 +4,39 @@ from __future__ import annotations
 
 from typing import Any
 
+from extproc.metrics import Metrics
 from extproc.quota.base import QuotaBackend
 from extproc.quota.memory_backend import MemoryQuotaBackend
 from extproc.quota.redis_backend import RedisQuotaBackend
+from extproc.quota.resilient import Resilience, ResilientQuotaBackend
 
 
-def backend_from_url(url: str, **redis_options: Any) -> QuotaBackend:
+def backend_from_url(
+    url: str,
+    *,
+    resilience: Resilience | None = None,
+    metrics: Metrics | None = None,
+    **redis_options: Any,
+) -> QuotaBackend:
     """``memory://`` for the single-instance embedded backend; ``redis://``, ``rediss://``
-    or ``unix://`` for the shared Redis backend (options go to ``RedisQuotaBackend.from_url``)."""
+    or ``unix://`` for the shared Redis backend (options go to ``RedisQuotaBackend.from_url``).
+
+    With ``resilience`` (the processor always passes it) a Redis backend is wrapped in
+    ``ResilientQuotaBackend``: circuit breaker, fail-open allowance, and a queue for what
+    Redis cannot take yet; ``metrics`` receives its counters. ``memory://`` cannot fail and
+    is never wrapped.
+    """
     if url == "memory://" or url.startswith("memory://"):
         if url != "memory://":
             raise ValueError(f"memory:// takes no host, path or options: {url!r}")
         return MemoryQuotaBackend()
-    return RedisQuotaBackend.from_url(url, **redis_options)
+    backend = RedisQuotaBackend.from_url(url, **redis_options)
+    if resilience is None:
+        return backend
+    return ResilientQuotaBackend(
+        backend,
+        failures=resilience.failures,
+        probe_interval_s=resilience.probe_interval_s,
+        queue_max=resilience.queue_max,
+        metrics=metrics,
+    )

@@ -5,6 +5,9 @@ Layout (``<t>``, ``<m>`` and ``<id>`` are percent-encoded)::
     <prefix>:{<t>}:c:<kind>:<m>:<window_s>     counter prefix; backends append :<window_start>
     <prefix>:{<t>}:c:<kind>:*:<window_s>       tenant-wide counter (no model)
     <prefix>:{<t>}:r:<id>                      reservation record of one request
+    <prefix>:{~p}:procs                        set of processor ids that have heartbeaten
+    <prefix>:{~p}:hb:<p>                       heartbeat of processor <p> (short TTL)
+    <prefix>:{~p}:own:<p>                      reservation keys processor <p> holds open
 
 Why this shape:
 
@@ -14,6 +17,9 @@ Why this shape:
   holds ``:``, ``{``, ``}`` or ``*`` raw, so fields cannot run into each other and the
   encoding is injective: two different (tenant, model) pairs never share a key.
 * ``*`` marks "no model"; it cannot be the encoding of any model name.
+* Processor-level keys (``extproc.quota.orphans``) share the hash tag ``{~p}``: one slot for
+  the heartbeat and owner set pipelines. ``~`` is always percent-encoded in a tenant name, so
+  no tenant's tag can be ``{~p}``; each quota script still touches only its tenant's slot.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from extproc.quota.base import CounterKind
 
 DEFAULT_PREFIX = "tq"
 TENANT_WIDE = "*"
+PROCESSOR_TAG = "{~p}"
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 _KINDS: frozenset[str] = frozenset(get_args(CounterKind))
@@ -88,6 +95,52 @@ def reservation_key(tenant: str, request_id: str, prefix: str = DEFAULT_PREFIX) 
     return f"{tenant_tag(tenant, prefix)}:r:{encode_name(request_id)}"
 
 
+def _tenant_part(reservation_key: str) -> str:
+    tag, sep, _ = reservation_key.rpartition(":r:")
+    if not sep:
+        raise ValueError(f"not a reservation key: {reservation_key!r}")
+    return tag
+
+
+def records_prefix(reservation_key: str) -> str:
+    """``<prefix>:{<t>}:r:``: what every reservation record of that tenant starts with."""
+    return f"{_tenant_part(reservation_key)}:r:"
+
+
+def open_count_key(reservation_key: str) -> str:
+    """The tenant's count of admitted, unsettled requests, beside its reservation records.
+
+    ``<prefix>:{<t>}:open``: same hash tag (slot) as every record of the tenant.
+    """
+    return f"{_tenant_part(reservation_key)}:open"
+
+
 def window_key(counter_prefix: str, window_start: int) -> str:
     """The concrete key of one window of a counter (what both backends store)."""
     return f"{counter_prefix}:{window_start}"
+
+
+def _processor_part(prefix: str) -> str:
+    _check_prefix(prefix)
+    return f"{prefix}:{PROCESSOR_TAG}"
+
+
+def processor_index_key(prefix: str = DEFAULT_PREFIX) -> str:
+    """Set of the ids of processors that have heartbeaten (sweepers start from it)."""
+    return f"{_processor_part(prefix)}:procs"
+
+
+def _processor_id(processor_id: str) -> str:
+    if not processor_id:
+        raise ValueError("processor id must be non-empty")
+    return encode_name(processor_id)
+
+
+def heartbeat_key(processor_id: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """A processor's heartbeat: present while it is alive (short TTL, refreshed)."""
+    return f"{_processor_part(prefix)}:hb:{_processor_id(processor_id)}"
+
+
+def owned_key(processor_id: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """Set of the reservation keys a processor has admitted and not yet settled."""
+    return f"{_processor_part(prefix)}:own:{_processor_id(processor_id)}"

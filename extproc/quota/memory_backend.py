@@ -3,6 +3,10 @@
 Same semantics as the Redis scripts, step for step (the conformance suite runs against
 both). Every method runs to completion without awaiting, so on one event loop each call is
 atomic just like a Lua script; nothing here is shared across threads or processes.
+
+Records live as in Redis: an open record ``record_ttl_s``, a settled one at most
+``settled_ttl_s`` (``SETTLED_TTL_S``), a cancelled one keeps its TTL. A processor that dies
+takes this backend with it, so it has no orphans to reconcile.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import dataclass, field
 
 from extproc.quota import windows
 from extproc.quota.base import (
+    RECORD_TTL_S,
+    SETTLED_TTL_S,
     AdmitRequest,
     Counter,
     CounterKind,
@@ -22,7 +28,7 @@ from extproc.quota.base import (
     Settlement,
     Verdict,
 )
-from extproc.quota.keys import window_key
+from extproc.quota.keys import records_prefix, window_key
 
 
 @dataclass(slots=True)
@@ -38,13 +44,21 @@ class _Record:
     charged: dict[str, int] = field(default_factory=dict)  # window key -> tokens
     grants: dict[int, int] = field(default_factory=dict)  # seq -> tokens
     settlement: Settlement | None = None
+    cancelled: bool = False  # 'c' in Redis: admissions of this key charge nothing
+    tombstone: bool = False  # written by cancel before any admission ran (no 'v')
 
 
 class MemoryQuotaBackend:
     def __init__(
-        self, clock: Callable[[], float] = time.time, sweep_interval_s: float = 5.0
+        self,
+        clock: Callable[[], float] = time.time,
+        sweep_interval_s: float = 5.0,
+        settled_ttl_s: int = SETTLED_TTL_S,
     ) -> None:
+        if settled_ttl_s <= 0:
+            raise ValueError(f"settled_ttl_s must be > 0, got {settled_ttl_s}")
         self._clock = clock
+        self.settled_ttl_s = settled_ttl_s
         self._counters: dict[str, tuple[int, float]] = {}  # window key -> (value, expires_at)
         self._records: dict[str, _Record] = {}
         self._sweep_interval_s = sweep_interval_s
@@ -90,7 +104,7 @@ class MemoryQuotaBackend:
         now, now_s = self._tick()
         prior = self._record(request.reservation_key, now)
         if prior is not None:
-            return self._verdict(prior, now, replayed=True)
+            return self._verdict(prior, now, replayed=not prior.tombstone)
 
         counters = request.request_counters + request.token_counters
         n_req = len(request.request_counters)
@@ -98,12 +112,20 @@ class MemoryQuotaBackend:
         keys = [window_key(c.key, s) for c, s in zip(counters, starts, strict=True)]
         values = [self._get(k, now) for k in keys]
         refused_by: CounterKind | None = None
+        refused_fits = False
         for i, c in enumerate(counters):
             cost = 1 if i < n_req else request.tokens
             if values[i] + cost > c.limit:
                 refused_by = c.kind
+                refused_fits = i >= n_req and cost <= c.limit
                 break
         admitted = refused_by is None
+        if (
+            request.soft_refusal
+            and refused_fits
+            and self._others_open(request.reservation_key, now) > 0
+        ):
+            return Verdict(admitted=False, retry_soon=True)
 
         def charge(i: int, amount: int) -> None:
             values[i] = self._incr(keys[i], amount, starts[i], counters[i].window_s, now)
@@ -135,6 +157,8 @@ class MemoryQuotaBackend:
             windows.counter_state(kind, limit, window_s, value, start, now)
             for kind, limit, window_s, value, start in record.verdict
         )
+        if record.cancelled:
+            return Verdict(admitted=False, states=states, replayed=replayed, cancelled=True)
         return Verdict(
             admitted=record.admitted,
             refused_by=record.refused_by,
@@ -170,13 +194,27 @@ class MemoryQuotaBackend:
             return Grant(granted=record.grants[seq], states=states(), replayed=True)
         granted = min([amount, *(c.limit - v for c, v in zip(token_counters, values, strict=True))])
         if granted < minimum:
-            return Grant(granted=0, states=states())
+            others = self._others_open(reservation_key, now)
+            return Grant(granted=0, states=states(), others_open=others)
         for i, c in enumerate(token_counters):
             values[i] = self._incr(keys[i], granted, starts[i], c.window_s, now)
             record.charged[keys[i]] = record.charged.get(keys[i], 0) + granted
         record.reserved += granted
         record.grants[seq] = granted
         return Grant(granted=granted, states=states())
+
+    def _others_open(self, reservation_key: str, now: float) -> int:
+        """Admitted, unsettled requests of the same tenant (only asked on a refusal)."""
+        tag = records_prefix(reservation_key)
+        return sum(
+            1
+            for key, r in self._records.items()
+            if key != reservation_key
+            and key.startswith(tag)
+            and r.admitted
+            and r.settlement is None
+            and r.expires_at > now
+        )
 
     async def settle(
         self, reservation_key: str, token_counters: tuple[Counter, ...], used: int
@@ -185,18 +223,70 @@ class MemoryQuotaBackend:
         now, now_s = self._tick()
         record = self._record(reservation_key, now)
         if record is not None and record.settlement is not None:
-            first = record.settlement
-            return Settlement(
-                reserved=first.reserved,
-                used=first.used,
-                refunded=first.refunded,
-                already_settled=True,
-                refunded_per_counter=first.refunded_per_counter,
-            )
+            return self._already_settled(record.settlement)
         if record is None or not record.admitted:
             zeros = tuple(0 for _ in token_counters)
             return Settlement(reserved=0, used=used, refunded=0, refunded_per_counter=zeros)
+        record.settlement = self._settle(record, token_counters, used, now, now_s)
+        # settle.lua: EXPIRE settled_ttl_s unless the record would expire sooner.
+        record.expires_at = min(record.expires_at, now + self.settled_ttl_s)
+        return record.settlement
 
+    def record_ttl(self, reservation_key: str) -> float | None:
+        """Seconds the record of a key has left (None: no live record), like Redis TTL."""
+        now = self._clock()
+        record = self._record(reservation_key, now)
+        return None if record is None else record.expires_at - now
+
+    async def cancel(
+        self,
+        reservation_key: str,
+        token_counters: tuple[Counter, ...],
+        tombstone_ttl_s: int = RECORD_TTL_S,
+    ) -> Settlement:
+        windows.check_cancel(tombstone_ttl_s, token_counters)
+        now, now_s = self._tick()
+        record = self._record(reservation_key, now)
+        if record is not None and record.settlement is not None:
+            return self._already_settled(record.settlement)
+        if record is None:
+            record = _Record(
+                admitted=False,
+                refused_by=None,
+                verdict=(),
+                expires_at=now_s + tombstone_ttl_s,
+                tombstone=True,
+            )
+            self._records[reservation_key] = record
+        if record.admitted:
+            record.settlement = self._settle(record, token_counters, 0, now, now_s)
+        else:
+            zeros = tuple(0 for _ in token_counters)
+            record.settlement = Settlement(
+                reserved=0, used=0, refunded=0, refunded_per_counter=zeros
+            )
+        record.cancelled = True
+        return record.settlement
+
+    @staticmethod
+    def _already_settled(first: Settlement) -> Settlement:
+        return Settlement(
+            reserved=first.reserved,
+            used=first.used,
+            refunded=first.refunded,
+            already_settled=True,
+            refunded_per_counter=first.refunded_per_counter,
+        )
+
+    def _settle(
+        self,
+        record: _Record,
+        token_counters: tuple[Counter, ...],
+        used: int,
+        now: float,
+        now_s: int,
+    ) -> Settlement:
+        """Commit ``used`` and refund the rest of an admitted record (settle.lua)."""
         refunds: list[int] = []
         for c in token_counters:
             head = c.key + ":"
@@ -227,13 +317,12 @@ class MemoryQuotaBackend:
                 self._incr(window_key(c.key, start), used - record.reserved, start, c.window_s, now)
             refunds.append(refunded)
 
-        record.settlement = Settlement(
+        return Settlement(
             reserved=record.reserved,
             used=used,
             refunded=refunds[0] if refunds else 0,
             refunded_per_counter=tuple(refunds),
         )
-        return record.settlement
 
     async def ping(self) -> bool:
         return True

@@ -1,29 +1,76 @@
-"""Quota backend on Redis: one EVALSHA round trip per admit, reserve and settle.
+"""Quota backend on Redis: one EVALSHA round trip per admit, reserve, settle and cancel.
 
 Each operation is one Lua script (``lua/*.lua``) so that check-and-charge is atomic across
 processors and replicas, and windows come from the Redis ``TIME`` of the server that holds
 the counters, never from a processor's clock. redis-py's ``Script`` sends EVALSHA and, on
 NOSCRIPT (a restarted or failed-over server), loads the script and retries once.
+
+Failures. Every script call is bounded by ``command_timeout_s`` (pool wait, connect, the
+retry and the reply together) and raises ``QuotaTimeout`` when it expires; any other failure
+to get an answer raises ``QuotaUnavailable``. A connection error is retried once, at once,
+on the same (reconnected) connection: every script is idempotent on its record key (and
+``seq``), and a pooled connection that sat through a Redis restart fails once when next
+used. A call cut off by the deadline leaves no half-read reply behind: redis-py disconnects
+a connection whose send or read is interrupted, so it reconnects on its next use.
+
+Ownership. Each backend instance is one processor identity (``owner_id``): admit.lua stores
+it in every admitted record (one more ARGV, no extra call). Once ``track_open_reservations``
+is on (``extproc.quota.orphans`` turns it on), admissions and settlements also update an
+in-process set of open keys, which a background task registers in Redis; the hot path
+itself gains no round trip. ``settle_orphan`` is the peer's side: it settles a dead
+owner's record with ``used`` = what it had reserved.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import secrets
+import socket
+from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.quota import windows
 from extproc.quota.base import (
+    RECORD_TTL_S,
+    SETTLED_TTL_S,
     AdmitRequest,
     Counter,
     CounterKind,
     CounterState,
     Grant,
+    QuotaTimeout,
+    QuotaUnavailable,
     Settlement,
     Verdict,
 )
+from extproc.quota.keys import open_count_key
+from extproc.quota.orphans import OpenReservations
+
+T = TypeVar("T")
+# What ``settle_orphan`` found: settled now, settled before (by its owner or a peer), no
+# admitted record (expired or never admitted), or a record another processor admitted.
+OrphanStatus = Literal["settled", "already_settled", "no_record", "not_owned"]
+_ORPHAN_STATUS: dict[int, OrphanStatus] = {
+    0: "settled",
+    1: "already_settled",
+    2: "no_record",
+    3: "not_owned",
+}
+_MODE_SETTLE, _MODE_CANCEL, _MODE_ORPHAN = 0, 1, 2
+
+
+def new_owner_id() -> str:
+    """A processor id unique across hosts and restarts: host, pid and 32 random bits."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _load_lua(name: str) -> str:
@@ -34,8 +81,8 @@ def _now(now_s: Any, now_us: Any) -> float:
     return int(now_s) + int(now_us) / 1_000_000
 
 
-def _parse_verdict(verdict: str, now: float, replayed: bool) -> Verdict:
-    parts = verdict.split(",")
+def _parse_verdict(verdict: str, now: float, replayed: bool, cancelled: bool) -> Verdict:
+    parts = verdict.split(",") if verdict else ["0", ""]
     states: list[CounterState] = []
     for i in range(2, len(parts), 5):
         kind, limit, window_s, value, start = parts[i : i + 5]
@@ -49,10 +96,23 @@ def _parse_verdict(verdict: str, now: float, replayed: bool) -> Verdict:
                 now,
             )
         )
+    if cancelled:
+        return Verdict(admitted=False, states=tuple(states), replayed=replayed, cancelled=True)
     admitted = parts[0] == "1"
     refused_by: CounterKind | None = None if admitted else parts[1]  # type: ignore[assignment]
     return Verdict(
         admitted=admitted, refused_by=refused_by, states=tuple(states), replayed=replayed
+    )
+
+
+def _settlement(already: Any, summary: str) -> Settlement:
+    reserved, used_recorded, *refunds = (int(x) for x in summary.split(","))
+    return Settlement(
+        reserved=reserved,
+        used=used_recorded,
+        refunded=refunds[0] if refunds else 0,
+        already_settled=bool(already),
+        refunded_per_counter=tuple(refunds),
     )
 
 
@@ -63,9 +123,27 @@ class RedisQuotaBackend:
     Cluster-ready: every key of a tenant shares one hash tag, so each script touches one slot.
     """
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        command_timeout_s: float | None = None,
+        *,
+        owner_id: str | None = None,
+        settled_ttl_s: int = SETTLED_TTL_S,
+    ) -> None:
         # The client must decode responses: the scripts reply with text verdicts.
+        if command_timeout_s is not None and command_timeout_s <= 0:
+            raise ValueError(f"command_timeout_s must be > 0, got {command_timeout_s}")
+        if settled_ttl_s <= 0:
+            raise ValueError(f"settled_ttl_s must be > 0, got {settled_ttl_s}")
+        if owner_id == "":
+            raise ValueError("owner_id must be non-empty")
         self._client = client
+        self._command_timeout_s = command_timeout_s
+        self.owner_id = owner_id or new_owner_id()
+        self.settled_ttl_s = settled_ttl_s
+        # Set by ``track_open_reservations``; None: nothing is tracked (no cost at all).
+        self.open_reservations: OpenReservations | None = None
         self._admit = client.register_script(_load_lua("admit.lua"))
         self._reserve = client.register_script(_load_lua("reserve.lua"))
         self._settle = client.register_script(_load_lua("settle.lua"))
@@ -79,8 +157,11 @@ class RedisQuotaBackend:
         username: str | None = None,
         max_connections: int = 64,
         pool_timeout_s: float = 5.0,
-        socket_timeout_s: float = 5.0,
+        socket_timeout_s: float | None = 5.0,
         connect_timeout_s: float = 2.0,
+        command_timeout_s: float | None = None,
+        owner_id: str | None = None,
+        settled_ttl_s: int = SETTLED_TTL_S,
         **connection_options: Any,
     ) -> RedisQuotaBackend:
         """Connect lazily to ``redis://`` or ``rediss://`` (TLS) ``[user:password@]host:port/db``.
@@ -88,7 +169,9 @@ class RedisQuotaBackend:
         ``password``/``username`` override the URL's credentials (keeps secrets out of URLs
         in config files). The pool blocks when all ``max_connections`` are busy instead of
         opening unbounded connections under a burst; hiredis parses replies when installed.
-        Extra options (``ssl_ca_certs``, ``ssl_cert_reqs``, ...) go to each connection.
+        ``command_timeout_s`` bounds each admit/reserve/settle/cancel call as a whole
+        (``QuotaTimeout``); ``None`` leaves only the socket and pool timeouts. Extra options
+        (``ssl_ca_certs``, ``ssl_cert_reqs``, ``retry``, ...) go to each connection.
         """
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"not a Redis URL (redis://, rediss://, unix://): {url!r}")
@@ -97,6 +180,10 @@ class RedisQuotaBackend:
             "socket_timeout": socket_timeout_s,
             "socket_connect_timeout": connect_timeout_s,
             "socket_keepalive": True,
+            # One immediate retry on a connection error (not on a timeout: the outcome is
+            # then unknown to the caller, who cancels): a stale pooled connection, e.g. one
+            # that sat through a server restart, fails once and is reconnected.
+            "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             **connection_options,
         }
         if password is not None:
@@ -106,7 +193,36 @@ class RedisQuotaBackend:
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=pool_timeout_s, **options
         )
-        return cls(aioredis.Redis.from_pool(pool))
+        return cls(
+            aioredis.Redis.from_pool(pool),
+            command_timeout_s=command_timeout_s,
+            owner_id=owner_id,
+            settled_ttl_s=settled_ttl_s,
+        )
+
+    @property
+    def client(self) -> aioredis.Redis:
+        """The client the scripts run on (the orphan reconciler's own calls share it)."""
+        return self._client
+
+    def track_open_reservations(self) -> OpenReservations:
+        """Keep the set of reservation keys this processor holds open (idempotent)."""
+        if self.open_reservations is None:
+            self.open_reservations = OpenReservations()
+        return self.open_reservations
+
+    async def _call(self, operation: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Run one script call under the deadline, mapping failures to the quota errors."""
+        try:
+            async with asyncio.timeout(self._command_timeout_s):
+                return await call()
+        except TimeoutError as exc:  # the deadline (builtin TimeoutError, an OSError)
+            within = f" within {self._command_timeout_s}s" if self._command_timeout_s else ""
+            raise QuotaTimeout(f"quota {operation} got no answer{within}") from exc
+        except RedisTimeoutError as exc:  # socket_timeout / connect timeout
+            raise QuotaTimeout(f"quota {operation} timed out: {exc}") from exc
+        except (RedisError, OSError) as exc:
+            raise QuotaUnavailable(f"quota {operation} failed: {exc}") from exc
 
     async def admit(self, request: AdmitRequest) -> Verdict:
         windows.check_admit(request)
@@ -118,13 +234,29 @@ class RedisQuotaBackend:
             1 if request.count_refused_attempts else 0,
             request.record_ttl_s,
             windows.EXPIRY_MARGIN_S,
+            self.owner_id,
+            1 if request.soft_refusal else 0,
         ]
         for counter in counters:
             args += (counter.kind, counter.limit, counter.window_s)
-        replayed, verdict, now_s, now_us = await self._admit(
-            keys=[request.reservation_key, *(c.key for c in counters)], args=args
+        keys = [
+            request.reservation_key,
+            *(c.key for c in counters),
+            open_count_key(request.reservation_key),
+        ]
+        replayed, verdict, now_s, now_us, cancelled, retry_soon = await self._call(
+            "admit", lambda: self._admit(keys=keys, args=args)
         )
-        return _parse_verdict(verdict, _now(now_s, now_us), replayed=bool(replayed))
+        if retry_soon:
+            return Verdict(admitted=False, retry_soon=True)
+        parsed = _parse_verdict(
+            verdict, _now(now_s, now_us), replayed=bool(replayed), cancelled=bool(cancelled)
+        )
+        if parsed.admitted and request.token_counters and self.open_reservations is not None:
+            # Only a record that holds tokens has anything to reconcile (RPM-only requests
+            # are never settled: they hold nothing once admitted).
+            self.open_reservations.opened(request.reservation_key)
+        return parsed
 
     async def reserve(
         self,
@@ -138,9 +270,8 @@ class RedisQuotaBackend:
         args: list[Any] = [seq, amount, minimum, windows.EXPIRY_MARGIN_S]
         for counter in token_counters:
             args += (counter.limit, counter.window_s)
-        reply = await self._reserve(
-            keys=[reservation_key, *(c.key for c in token_counters)], args=args
-        )
+        keys = [reservation_key, *(c.key for c in token_counters), open_count_key(reservation_key)]
+        reply = await self._call("reserve", lambda: self._reserve(keys=keys, args=args))
         status, granted, now_s, now_us = reply[:4]
         if status in ("not_admitted", "settled"):
             return Grant(granted=0)
@@ -151,29 +282,86 @@ class RedisQuotaBackend:
             )
             for i, c in enumerate(token_counters)
         )
-        return Grant(granted=int(granted), states=states, replayed=status == "replayed")
+        return Grant(
+            granted=int(granted),
+            states=states,
+            replayed=status == "replayed",
+            others_open=int(reply[-1]),
+        )
 
     async def settle(
         self, reservation_key: str, token_counters: tuple[Counter, ...], used: int
     ) -> Settlement:
         windows.check_settle(used, token_counters)
-        args: list[Any] = [used, windows.EXPIRY_MARGIN_S, *(c.window_s for c in token_counters)]
-        already, summary = await self._settle(
-            keys=[reservation_key, *(c.key for c in token_counters)], args=args
+        args = self._settle_args(used, _MODE_SETTLE, RECORD_TTL_S, token_counters)
+        keys = [reservation_key, *(c.key for c in token_counters), open_count_key(reservation_key)]
+        already, summary = await self._call("settle", lambda: self._settle(keys=keys, args=args))
+        self._closed(reservation_key)
+        return _settlement(already, summary)
+
+    def _settle_args(
+        self, used: int, mode: int, tombstone_ttl_s: int, token_counters: tuple[Counter, ...]
+    ) -> list[Any]:
+        return [
+            used,
+            windows.EXPIRY_MARGIN_S,
+            mode,
+            tombstone_ttl_s,
+            self.settled_ttl_s,
+            self.owner_id,
+            *(c.window_s for c in token_counters),
+        ]
+
+    def _closed(self, reservation_key: str) -> None:
+        if self.open_reservations is not None:
+            self.open_reservations.closed(reservation_key)
+
+    async def cancel(
+        self,
+        reservation_key: str,
+        token_counters: tuple[Counter, ...],
+        tombstone_ttl_s: int = RECORD_TTL_S,
+    ) -> Settlement:
+        windows.check_cancel(tombstone_ttl_s, token_counters)
+        args = self._settle_args(0, _MODE_CANCEL, tombstone_ttl_s, token_counters)
+        keys = [reservation_key, *(c.key for c in token_counters), open_count_key(reservation_key)]
+        already, summary = await self._call("cancel", lambda: self._settle(keys=keys, args=args))
+        self._closed(reservation_key)
+        return _settlement(already, summary)
+
+    async def settle_orphan(
+        self, reservation_key: str, owner_id: str
+    ) -> tuple[OrphanStatus, Settlement | None]:
+        """Settle a dead processor's open record with ``used`` = its reservation so far.
+
+        Nothing is refunded and nothing more charged: the owner may have delivered up to all
+        it had leased, so less would under-charge. Idempotent: a record already settled (by
+        its owner before it died, or by another peer) is left alone. Only ``owner_id``'s
+        admitted record is touched; one script on the tenant's slot, no counter keys.
+        """
+        if not owner_id:
+            raise ValueError("owner_id must be non-empty")
+        args: list[Any] = [
+            0,
+            windows.EXPIRY_MARGIN_S,
+            _MODE_ORPHAN,
+            RECORD_TTL_S,
+            self.settled_ttl_s,
+            owner_id,
+        ]
+        keys = [reservation_key, open_count_key(reservation_key)]
+        code, summary = await self._call(
+            "settle_orphan", lambda: self._settle(keys=keys, args=args)
         )
-        reserved, used_recorded, *refunds = (int(x) for x in summary.split(","))
-        return Settlement(
-            reserved=reserved,
-            used=used_recorded,
-            refunded=refunds[0] if refunds else 0,
-            already_settled=bool(already),
-            refunded_per_counter=tuple(refunds),
-        )
+        status = _ORPHAN_STATUS[int(code)]
+        if status in ("settled", "already_settled"):
+            return status, _settlement(status == "already_settled", summary)
+        return status, None
 
     async def ping(self) -> bool:
         try:
-            return bool(await self._client.ping())
-        except (RedisError, OSError):
+            return bool(await self._call("ping", self._client.ping))
+        except QuotaUnavailable:
             return False
 
     async def close(self) -> None:

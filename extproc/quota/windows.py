@@ -57,3 +57,9 @@ def check_settle(used: int, counters: tuple[Counter, ...]) -> None:
     if used < 0:
         raise ValueError(f"used must be >= 0, got {used}")
     check_counters(counters)
+
+
+def check_cancel(tombstone_ttl_s: int, counters: tuple[Counter, ...]) -> None:
+    if tombstone_ttl_s <= 0:
+        raise ValueError(f"tombstone_ttl_s must be > 0, got {tombstone_ttl_s}")
+    check_counters(counters)

@@ -9,6 +9,7 @@ import pytest
 
 from extproc.quota.base import AdmitRequest, Counter, CounterKind
 from extproc.quota.keys import counter_key, reservation_key
+from extproc.quota.memory_backend import MemoryQuotaBackend
 from tests.quota.conftest import Harness
 
 HOUR = 3600
@@ -409,3 +410,173 @@ async def test_concurrent_settlements_of_one_request_apply_once(harness: Harness
     assert len(first) == 1
     assert all(r.used == first[0].used for r in results)
     assert await harness.total(tpm) == first[0].used
+
+
+async def test_cancel_refunds_the_whole_reservation_and_keeps_the_attempt(
+    harness: Harness,
+) -> None:
+    await harness.ensure_room(DAY, 5)
+    rpm, tpm = counter("rpm", 10), counter("tpm", 1000)
+    daily = counter("daily", 100_000, DAY)
+    request = admit_request(rpm, (tpm, daily), 100)
+    assert (await harness.backend.admit(request)).admitted
+    await harness.backend.reserve(request.reservation_key, 1, (tpm, daily), 32)
+
+    cancelled = await harness.backend.cancel(request.reservation_key, (tpm, daily))
+
+    assert (cancelled.reserved, cancelled.used, cancelled.refunded) == (132, 0, 132)
+    assert cancelled.refunded_per_counter == (132, 132) and not cancelled.already_settled
+    assert (await harness.total(tpm), await harness.total(daily)) == (0, 0)
+    assert await harness.total(rpm) == 1  # the attempt stays counted
+
+
+async def test_cancel_before_admission_makes_a_late_admission_charge_nothing(
+    harness: Harness,
+) -> None:
+    await harness.ensure_room(HOUR, 5)
+    rpm, tpm = counter("rpm", 10), counter("tpm", 1000)
+    request = admit_request(rpm, (tpm,), 100, request_id="lost-reply")
+
+    tombstone = await harness.backend.cancel(request.reservation_key, (tpm,))
+    late = await harness.backend.admit(request)
+    replay = await harness.backend.admit(request)
+
+    assert (tombstone.reserved, tombstone.used, tombstone.refunded) == (0, 0, 0)
+    assert tombstone.refunded_per_counter == (0,) and not tombstone.already_settled
+    assert late.cancelled and not late.admitted and not late.replayed
+    assert late.refused_by is None and late.states == ()
+    assert replay.cancelled and not replay.admitted
+    # Not even the attempt counts, although refused attempts count in this mode.
+    assert (await harness.total(rpm), await harness.total(tpm)) == (0, 0)
+    assert (await harness.backend.reserve(request.reservation_key, 1, (tpm,), 32)).granted == 0
+    settle = await harness.backend.settle(request.reservation_key, (tpm,), used=50)
+    assert settle.already_settled and (settle.reserved, settle.used) == (0, 0)
+    assert await harness.total(tpm) == 0
+
+
+async def test_cancel_twice_is_idempotent(harness: Harness) -> None:
+    await harness.ensure_room(HOUR, 5)
+    tpm = counter("tpm", 1000)
+    admitted = admit_request(counter("rpm", 10), (tpm,), 100)
+    await harness.backend.admit(admitted)
+    unknown = admit_request(None, (tpm,), 100)
+
+    for request, reserved in ((admitted, 100), (unknown, 0)):
+        first = await harness.backend.cancel(request.reservation_key, (tpm,))
+        second = await harness.backend.cancel(request.reservation_key, (tpm,))
+        assert not first.already_settled and second.already_settled
+        assert (first.reserved, first.refunded) == (reserved, reserved)
+        assert (second.reserved, second.used, second.refunded) == (reserved, 0, reserved)
+        assert second.refunded_per_counter == first.refunded_per_counter
+    assert await harness.total(tpm) == 0
+    assert await harness.total(counter("rpm", 10)) == 1
+
+
+async def test_settle_and_reserve_after_cancel_do_nothing(harness: Harness) -> None:
+    await harness.ensure_room(HOUR, 5)
+    tpm = counter("tpm", 1000)
+    request = admit_request(None, (tpm,), 100)
+    first = await harness.backend.admit(request)
+    await harness.backend.cancel(request.reservation_key, (tpm,))
+
+    settle = await harness.backend.settle(request.reservation_key, (tpm,), used=150)
+    grant = await harness.backend.reserve(request.reservation_key, 1, (tpm,), 32)
+    replay = await harness.backend.admit(request)
+
+    assert settle.already_settled and (settle.reserved, settle.used, settle.refunded) == (
+        100,
+        0,
+        100,
+    )
+    assert grant.granted == 0
+    # A replay says the admission ran and was cancelled, with its first states.
+    assert replay.replayed and replay.cancelled and not replay.admitted
+    assert [s.remaining for s in replay.states] == [s.remaining for s in first.states]
+    assert await harness.total(tpm) == 0
+
+
+async def test_cancel_after_settle_changes_nothing(harness: Harness) -> None:
+    await harness.ensure_room(HOUR, 5)
+    tpm = counter("tpm", 1000)
+    request = admit_request(None, (tpm,), 100)
+    await harness.backend.admit(request)
+    settled = await harness.backend.settle(request.reservation_key, (tpm,), used=60)
+
+    cancel = await harness.backend.cancel(request.reservation_key, (tpm,))
+
+    assert cancel.already_settled
+    assert (cancel.reserved, cancel.used, cancel.refunded) == (100, 60, settled.refunded)
+    assert await harness.total(tpm) == 60
+    replay = await harness.backend.admit(request)
+    assert replay.admitted and replay.replayed and not replay.cancelled
+
+
+async def test_cancel_of_a_refused_admission_keeps_the_attempt_and_charges_nothing(
+    harness: Harness,
+) -> None:
+    await harness.ensure_room(HOUR, 5)
+    rpm, tpm = counter("rpm", 10), counter("tpm", 100)
+    request = admit_request(rpm, (tpm,), 500)
+    assert (await harness.backend.admit(request)).refused_by == "tpm"
+
+    cancel = await harness.backend.cancel(request.reservation_key, (tpm,))
+    again = await harness.backend.cancel(request.reservation_key, (tpm,))
+    replay = await harness.backend.admit(request)
+
+    assert (cancel.reserved, cancel.refunded, cancel.already_settled) == (0, 0, False)
+    assert again.already_settled
+    assert replay.cancelled and replay.replayed and not replay.admitted
+    assert (await harness.total(rpm), await harness.total(tpm)) == (1, 0)
+
+
+@pytest.mark.parametrize("cancel_first", [False, True])
+async def test_admission_racing_its_cancel_leaves_no_tokens_charged(
+    harness: Harness, cancel_first: bool
+) -> None:
+    await harness.ensure_room(HOUR, 5)
+    rpm, tpm = counter("rpm", 10), counter("tpm", 1000)
+    request = admit_request(rpm, (tpm,), 300)
+    admit = harness.backend.admit(request)
+    cancel = harness.backend.cancel(request.reservation_key, (tpm,))
+
+    if cancel_first:
+        settlement, verdict = await asyncio.gather(cancel, admit)
+    else:
+        verdict, settlement = await asyncio.gather(admit, cancel)
+
+    # On Redis the two calls race over separate connections: either order must end with
+    # no tokens charged, and the attempt counted only if the admission ran first.
+    ran_first = verdict.admitted
+    assert verdict.cancelled != ran_first and not verdict.replayed
+    assert settlement.reserved == (300 if ran_first else 0) and not settlement.already_settled
+    assert await harness.total(tpm) == 0
+    assert await harness.total(rpm) == (1 if ran_first else 0)
+    if isinstance(harness.backend, MemoryQuotaBackend):
+        assert ran_first != cancel_first  # one event loop: gather order is call order
+
+
+async def test_bad_tombstone_ttl_is_rejected(harness: Harness) -> None:
+    with pytest.raises(ValueError, match="tombstone_ttl_s"):
+        await harness.backend.cancel(
+            reservation_key("acme", "r"), (counter("tpm", 100),), tombstone_ttl_s=0
+        )
+
+
+async def test_a_refused_lease_says_how_many_other_requests_of_the_tenant_are_open(
+    harness: Harness,
+) -> None:
+    await harness.ensure_room(HOUR, 5)
+    tenant = f"open-{next(_ids)}"
+    tpm = counter("tpm", 100, tenant=tenant)
+    first, second, third = (admit_request(None, (tpm,), 30, tenant=tenant) for _ in range(3))
+    for request in (first, second, third):
+        assert (await harness.backend.admit(request)).admitted
+    refused = await harness.backend.reserve(first.reservation_key, 1, (tpm,), 50, minimum=50)
+    assert refused.granted == 0 and refused.others_open == 2
+
+    await harness.backend.settle(second.reservation_key, (tpm,), used=30)
+    await harness.backend.cancel(third.reservation_key, (tpm,))
+    alone = await harness.backend.reserve(first.reservation_key, 1, (tpm,), 80, minimum=80)
+    assert alone.granted == 0 and alone.others_open == 0  # nobody's lease can come back
+    granted = await harness.backend.reserve(first.reservation_key, 1, (tpm,), 40)
+    assert granted.granted == 40 and granted.others_open == 0

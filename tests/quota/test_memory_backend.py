@@ -27,3 +27,19 @@ async def test_ended_windows_and_old_records_are_dropped_from_memory() -> None:
     await backend.ping()
     await backend.admit(AdmitRequest(reservation_key("acme", "later"), (), (counter,), 5))
     assert backend.stored_entries() == (1, 1)
+
+
+async def test_a_tombstone_expires_after_its_ttl_and_then_admission_charges_again() -> None:
+    clock = FakeClock(1_700_000_000.5)
+    backend = MemoryQuotaBackend(clock=clock, sweep_interval_s=1.0)
+    counter = Counter("tpm", counter_key("acme", "tpm", "m", 3600), 1000, 3600)
+    request = AdmitRequest(reservation_key("acme", "late"), (), (counter,), 10)
+    await backend.cancel(request.reservation_key, (counter,), tombstone_ttl_s=30)
+
+    clock.now += 29
+    assert (await backend.admit(request)).cancelled
+    assert backend.counters() == {}
+    clock.now += 2
+    verdict = await backend.admit(request)
+    assert verdict.admitted and not verdict.cancelled and not verdict.replayed
+    assert list(backend.counters().values()) == [10]

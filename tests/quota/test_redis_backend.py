@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 from redis.exceptions import AuthenticationError
 
-from extproc.quota.base import AdmitRequest, Counter
+from extproc.quota.base import AdmitRequest, Counter, QuotaTimeout, QuotaUnavailable
 from extproc.quota.factory import backend_from_url
 from extproc.quota.keys import counter_key, reservation_key
 from extproc.quota.memory_backend import MemoryQuotaBackend
@@ -87,6 +87,18 @@ async def test_counter_keys_expire_just_after_their_window_and_records_after_the
     assert admit.record_ttl_s - 2 <= await plain.ttl(admit.reservation_key) <= admit.record_ttl_s
 
 
+async def test_a_tombstone_lives_tombstone_ttl_s_and_a_cancel_keeps_a_record_ttl(
+    backend: RedisQuotaBackend, plain: aioredis.Redis
+) -> None:
+    await backend.cancel(reservation_key("acme", "never"), (tpm(),), tombstone_ttl_s=120)
+    assert 118 <= await plain.ttl(reservation_key("acme", "never")) <= 120
+    admitted = request("r1", 100)
+    await backend.admit(admitted)
+    await backend.cancel(admitted.reservation_key, (tpm(),), tombstone_ttl_s=5)
+    ttl = await plain.ttl(admitted.reservation_key)
+    assert admitted.record_ttl_s - 2 <= ttl <= admitted.record_ttl_s
+
+
 async def test_all_keys_of_a_request_land_in_one_cluster_slot(
     backend: RedisQuotaBackend, plain: aioredis.Redis
 ) -> None:
@@ -127,7 +139,7 @@ async def test_database_index_in_the_url_selects_the_database(
         await backend.close()
     db3 = aioredis.Redis(port=redis_server.port, db=3, decode_responses=True)
     try:
-        assert len(await db3.keys("*")) == 2
+        assert len(await db3.keys("*")) == 3  # counter, record, the open count
         assert await plain.keys("*") == []
     finally:
         await db3.flushdb()
@@ -147,8 +159,10 @@ async def test_auth_with_password_in_url_or_option(tmp_path: Path) -> None:
             assert (await as_option.admit(request("r1"))).replayed
             assert not await without.ping()
             assert not await wrong.ping()
-            with pytest.raises(AuthenticationError):
+            with pytest.raises(QuotaUnavailable) as refused:
                 await wrong.admit(request("r2"))
+            assert isinstance(refused.value.__cause__, AuthenticationError)
+            assert not isinstance(refused.value, QuotaTimeout)
         finally:
             for b in (in_url, as_option, without, wrong):
                 await b.close()

@@ -2,10 +2,23 @@
 --
 -- KEYS[1]    reservation record (hash) of the request
 -- KEYS[2..]  counter prefixes: request counters first, then token counters
+-- KEYS[last] the tenant's count of admitted, unsettled requests (incremented on admission)
 -- ARGV       n_request, n_token, tokens, count_refused (1|0), record_ttl_s, margin_s,
---            then kind, limit, window_s for each counter
--- Reply      {replayed (0|1), verdict, now_s, now_us}
+--            owner, soft (1|0), then kind, limit, window_s for each counter
+-- Reply      {replayed (0|1), verdict, now_s, now_us, cancelled (0|1), retry_soon (0|1)}
 --            verdict = "admitted,refused_by{,kind,limit,window_s,value,window_start}"
+--
+-- A record marked cancelled ('c', written by settle.lua in cancel mode) makes the admission
+-- charge nothing at all: replayed=1 with the first verdict when the admission had run
+-- before the cancel, replayed=0 and an empty verdict when it meets a tombstone.
+--
+-- An admitted record stores its owner ('o': the id of the processor that admitted it), so
+-- a peer reconciling the open reservations of a processor that died settles only that
+-- processor's records (settle.lua, orphan mode). The owner comes in ARGV: no extra call.
+--
+-- Soft mode: refused by a token counter that the request could fit in (tokens <= limit)
+-- while other requests of the tenant are open (KEYS[last] > 0), the admission charges and
+-- records nothing and answers retry_soon=1: their unused leases come back when they settle.
 --
 -- Windows are epoch-aligned and computed from this server's TIME, never the caller's clock.
 -- The concrete keys (prefix:window_start) are not in KEYS, but they share the prefix's hash
@@ -14,9 +27,15 @@ local rkey = KEYS[1]
 local t = redis.call('TIME')
 local now_s = tonumber(t[1])
 
-local prior = redis.call('HGET', rkey, 'v')
-if prior then
-  return {1, prior, t[1], t[2]}
+local prior = redis.call('HMGET', rkey, 'v', 'c')
+if prior[2] then
+  if prior[1] then
+    return {1, prior[1], t[1], t[2], 1, 0}
+  end
+  return {0, '', t[1], t[2], 1, 0}
+end
+if prior[1] then
+  return {1, prior[1], t[1], t[2], 0, 0}
 end
 
 local n_req = tonumber(ARGV[1])
@@ -25,11 +44,14 @@ local tokens = tonumber(ARGV[3])
 local count_refused = ARGV[4] == '1'
 local record_ttl = tonumber(ARGV[5])
 local margin = tonumber(ARGV[6])
+local owner = ARGV[7]
+local soft = ARGV[8] == '1'
 
 local keys, starts, values, windows = {}, {}, {}, {}
 local refused_by = ''
+local refused_fits = false
 for i = 1, n do
-  local base = 6 + (i - 1) * 3
+  local base = 8 + (i - 1) * 3
   local limit = tonumber(ARGV[base + 2])
   local window = tonumber(ARGV[base + 3])
   windows[i] = window
@@ -40,9 +62,13 @@ for i = 1, n do
   if i <= n_req then cost = 1 end
   if refused_by == '' and values[i] + cost > limit then
     refused_by = ARGV[base + 1]
+    refused_fits = i > n_req and cost <= limit
   end
 end
 local admitted = refused_by == ''
+if soft and refused_fits and tonumber(redis.call('GET', KEYS[n + 2]) or '0') > 0 then
+  return {0, '', t[1], t[2], 0, 1}
+end
 
 local function charge(i, amount)
   local v = redis.call('INCRBY', keys[i], amount)
@@ -69,9 +95,16 @@ if admitted then
   end
   record[#record + 1] = 'res'
   record[#record + 1] = tokens
+  if owner ~= '' then
+    record[#record + 1] = 'o'
+    record[#record + 1] = owner
+  end
+  local open_key = KEYS[n + 2]
+  redis.call('INCR', open_key)
+  redis.call('EXPIRE', open_key, record_ttl)
 end
 for i = 1, n do
-  local base = 6 + (i - 1) * 3
+  local base = 8 + (i - 1) * 3
   parts[#parts + 1] = ARGV[base + 1]
   parts[#parts + 1] = ARGV[base + 2]
   parts[#parts + 1] = ARGV[base + 3]
@@ -82,4 +115,4 @@ local verdict = table.concat(parts, ',')
 table.insert(record, 2, verdict)
 redis.call('HSET', rkey, unpack(record))
 redis.call('EXPIRE', rkey, record_ttl)
-return {0, verdict, t[1], t[2]}
+return {0, verdict, t[1], t[2], 0, 0}

@@ -2,9 +2,12 @@
 --
 -- KEYS[1]    reservation record (hash)
 -- KEYS[2..]  token counter prefixes
+-- KEYS[last] the tenant's count of admitted, unsettled requests
 -- ARGV       seq, amount, minimum, margin_s, then limit, window_s for each counter
--- Reply      {status, granted, now_s, now_us, value_1, window_start_1, ...}
+-- Reply      {status, granted, now_s, now_us, value_1, window_start_1, ..., others_open}
 --            status: granted | refused | replayed | not_admitted | settled
+--            others_open: the tenant's other open requests (their unused leases come
+--            back when they settle, so a refusal while they hold some may not be final)
 --
 -- The grant is min(amount, smallest room left over the counters), or 0 when that is below
 -- minimum: handing out what is left lets concurrent streams use up a budget instead of
@@ -26,7 +29,7 @@ local seq_field = 'q' .. ARGV[1]
 local amount = tonumber(ARGV[2])
 local minimum = tonumber(ARGV[3])
 local margin = tonumber(ARGV[4])
-local n = #KEYS - 1
+local n = #KEYS - 2
 
 local keys, starts, values, windows = {}, {}, {}, {}
 local granted = amount
@@ -46,6 +49,11 @@ local function reply(status, amount_out)
     out[#out + 1] = values[i]
     out[#out + 1] = starts[i]
   end
+  local others = 0
+  if status == 'refused' then
+    others = math.max(0, tonumber(redis.call('GET', KEYS[n + 2]) or '0') - 1)
+  end
+  out[#out + 1] = others
   return out
 end
 

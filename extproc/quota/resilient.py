@@ -1,0 +1,649 @@
+"""Redis faults: a circuit breaker, fail-open admission from a local allowance, and a queue
+for what the backend could not take (settlements, cancels, reconciliations).
+
+``ResilientQuotaBackend`` wraps the Redis backend and implements the same protocol; the
+factory puts it around every Redis URL (``memory://`` cannot fail and is not wrapped).
+
+**Breaker.** Every call that reaches Redis and fails (``QuotaUnavailable``, timeouts
+included) counts; ``failures`` consecutive ones open the breaker. While it is open no call
+reaches Redis: each fails at once with ``CircuitOpen`` (a ``QuotaUnavailable`` saying the
+call was never sent), and the only traffic to Redis is one probe (``PING``) every
+``probe_interval_s``, one at a time. The first probe that succeeds closes the breaker.
+
+**Fail open.** A request whose counters all carry ``fail_open_limit`` (its plan says
+``on_backend_failure: open``; the policy resolver sets it to ``limit × fail_open_fraction``,
+rounded up) is admitted, when Redis cannot answer, from an in-process ``MemoryQuotaBackend``
+whose limits are those allowances: each processor serves at most that share of every limit
+per window on its own clock. The verdict carries no counter states (the real remaining
+budget is unknown, so no ``x-ratelimit-*`` headers). A request the allowance cannot cover
+raises ``QuotaUnavailable`` (the client gets 503 ``quota_unavailable``, as on a closed plan).
+A reservation admitted locally stays local to its end (its leases too). A stream admitted
+by Redis whose lease batch Redis cannot answer gets that batch from the local allowance
+instead of being cut; a closed plan's lease raises, and the meter cuts the stream.
+
+**Reconciliation.** When a reservation that was served locally settles, its local part is
+released from the allowance and charged into Redis by one ``absorb`` script call keyed
+``<reservation key>:absorb``, so it applies once however often it is retried: each token
+goes into the window it was served in when that window is still live, into the current
+window otherwise (it is never dropped). The local part of a stream Redis admitted is what
+it used beyond what Redis reserved for it (``used - min(used, reserved in Redis)``); the rest
+settles in Redis as usual. A local admission's RPM is absorbed too, unless Redis may have
+seen the admission (its call failed with an unknown outcome): that key is cancelled in Redis
+instead, whose record keeps the attempt if the admission ran. RPM of refused local attempts
+is not reconciled.
+
+**Queue.** Settlements, cancels and absorbs Redis cannot take now wait in a bounded FIFO
+(one entry per kind and key; all three are idempotent on their key). One worker applies
+them whenever the breaker is closed, so they go in as soon as Redis returns, with or
+without traffic. A full queue drops the new entry (counted, logged as an error): a dropped
+settlement leaves its reservation charged as leased, a dropped absorb under-charges.
+``flush`` waits for the queue to empty (shutdown); ``close`` logs what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import structlog
+
+from extproc.metrics import Metrics
+from extproc.quota import windows
+from extproc.quota.base import (
+    RECORD_TTL_S,
+    AdmitRequest,
+    Counter,
+    Grant,
+    QuotaUnavailable,
+    Settlement,
+    Verdict,
+)
+from extproc.quota.memory_backend import MemoryQuotaBackend
+from extproc.quota.redis_backend import RedisQuotaBackend
+
+log = structlog.get_logger("extproc.quota.resilient")
+T = TypeVar("T")
+
+# Charge tokens served while Redis was away into their windows, once per record key.
+#
+# KEYS[1]    absorb record (hash) of one reservation
+# KEYS[2..]  one counter prefix per entry
+# ARGV       record_ttl_s, margin_s, then window_s, window_start, amount for each entry
+# Reply      {already (0|1), "live,moved"}: tokens charged to the window they were served
+#            in, and tokens whose window had ended (or lies ahead of this server's clock),
+#            charged to the current window instead.
+ABSORB_LUA = """
+local rkey = KEYS[1]
+local done = redis.call('HGET', rkey, 'st')
+if done then
+  return {1, done}
+end
+local t = redis.call('TIME')
+local now_s = tonumber(t[1])
+local margin = tonumber(ARGV[2])
+local live, moved = 0, 0
+for i = 2, #KEYS do
+  local base = 3 + (i - 2) * 3
+  local window = tonumber(ARGV[base])
+  local start = tonumber(ARGV[base + 1])
+  local amount = tonumber(ARGV[base + 2])
+  local current = now_s - (now_s % window)
+  if start + window <= now_s or start > current then
+    start = current
+    moved = moved + amount
+  else
+    live = live + amount
+  end
+  local key = KEYS[i] .. ':' .. string.format('%d', start)
+  local v = redis.call('INCRBY', key, amount)
+  if v == amount then
+    redis.call('PEXPIREAT', key, (start + window + margin) * 1000)
+  end
+end
+local summary = string.format('%d,%d', live, moved)
+redis.call('HSET', rkey, 'st', summary)
+redis.call('EXPIRE', rkey, tonumber(ARGV[1]))
+return {0, summary}
+"""
+
+DRAIN_BATCH = 32  # queued calls applied concurrently
+MAX_OP_ATTEMPTS = 100  # failed tries (breaker closed) before a queued call is given up
+UNSENT_MAX = 100_000  # remembered keys whose admission never reached Redis
+SWEEP_INTERVAL_S = 60.0
+
+OpKind = Literal["settle", "cancel", "absorb"]
+
+
+@dataclass(frozen=True, slots=True)
+class Resilience:
+    """Settings of the wrapper: the breaker (``circuit_breaker`` in the configuration) and
+    the bound of the queue (``settle_queue_max``)."""
+
+    failures: int = 5
+    probe_interval_s: float = 0.5
+    queue_max: int = 100_000
+
+
+class CircuitOpen(QuotaUnavailable):
+    """The breaker is open: the call was not sent to the backend at all."""
+
+
+def absorb_key(reservation_key: str) -> str:
+    """Record of a reservation's reconciliation; an encoded request id never holds ``:``."""
+    return reservation_key + ":absorb"
+
+
+def _local(counters: tuple[Counter, ...]) -> tuple[Counter, ...]:
+    """The counters with this processor's allowance as their limits."""
+    return tuple(
+        Counter(
+            c.kind, c.key, c.fail_open_limit if c.fail_open_limit is not None else 0, c.window_s
+        )
+        for c in counters
+    )
+
+
+def _zeros(counters: tuple[Counter, ...]) -> tuple[int, ...]:
+    return tuple(0 for _ in counters)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """A fail-open request with token counters, from its admission to its settlement."""
+
+    created: float
+    redis_reserved: int = 0  # tokens Redis reserved for it (admission + batches), as known
+    local: bool = False  # admitted from the local allowance: everything stays local
+    redis_lost: bool = False  # Redis no longer holds its record (a restart): lease locally
+    local_record: bool = False  # the local backend holds a record for it
+    # Request counters to absorb: a local admission whose call never reached Redis.
+    request_counters: tuple[Counter, ...] = ()
+    admitted_at: float = 0.0
+    charges: list[tuple[float, int]] = field(default_factory=list)  # local (time, tokens)
+
+
+@dataclass(slots=True)
+class _Op:
+    """A call waiting for the backend; idempotent on ``key``."""
+
+    kind: OpKind
+    key: str
+    counters: tuple[Counter, ...] = ()
+    used: int = 0  # settle
+    ttl_s: int = RECORD_TTL_S  # cancel: tombstone lifetime
+    entries: tuple[tuple[str, int, int, int], ...] = ()  # absorb: (prefix, window, start, n)
+    tokens: int = 0  # absorb: tokens served locally
+    attempts: int = 0
+
+
+class ResilientQuotaBackend:
+    def __init__(
+        self,
+        primary: RedisQuotaBackend,
+        *,
+        failures: int = 5,
+        probe_interval_s: float = 0.5,
+        queue_max: int = 100_000,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if failures < 1 or probe_interval_s <= 0 or queue_max < 1:
+            raise ValueError("need failures >= 1, probe_interval_s > 0 and queue_max >= 1")
+        self.primary = primary
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.failures = failures
+        self.probe_interval_s = probe_interval_s
+        self.queue_max = queue_max
+        self._clock = clock
+        self.local = MemoryQuotaBackend(clock=clock)
+        # The absorb script runs on the Redis backend's own client, under its deadline.
+        client = getattr(primary, "client", None) or primary._client
+        self._absorb_script = client.register_script(ABSORB_LUA)
+        self._consecutive = 0
+        self._open = False
+        self._closed = asyncio.Event()
+        self._closed.set()
+        self._wake = asyncio.Event()
+        self._empty = asyncio.Event()
+        self._empty.set()
+        self._pending: OrderedDict[tuple[OpKind, str], _Op] = OrderedDict()
+        self._tracked: dict[str, _Tracked] = {}
+        self._unsent: OrderedDict[str, None] = OrderedDict()
+        self._prober: asyncio.Task[None] | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._next_sweep = 0.0
+
+    @property
+    def breaker_open(self) -> bool:
+        return self._open
+
+    @property
+    def pending(self) -> int:
+        """Calls waiting in the queue."""
+        return len(self._pending)
+
+    # -- breaker ---------------------------------------------------------------------------
+
+    async def _guarded(self, call: Callable[[], Awaitable[T]]) -> T:
+        if self._open:
+            self.metrics.quota_short_circuited_total += 1
+            raise CircuitOpen("quota backend unavailable (circuit breaker open)")
+        self.metrics.quota_backend_calls_total += 1
+        try:
+            result = await call()
+        except QuotaUnavailable:
+            self._failed()
+            raise
+        self._consecutive = 0
+        return result
+
+    def _failed(self) -> None:
+        self.metrics.quota_backend_failures_total += 1
+        self._consecutive += 1
+        if self._open or self._consecutive < self.failures:
+            return
+        self._open = True
+        self._closed.clear()
+        self.metrics.quota_breaker_open = 1
+        self.metrics.quota_breaker_opened_total += 1
+        log.error(
+            "quota_breaker_open",
+            failures=self._consecutive,
+            probe_interval_s=self.probe_interval_s,
+            pending=len(self._pending),
+        )
+        self._prober = asyncio.get_running_loop().create_task(self._probe())
+
+    async def _probe(self) -> None:
+        """One PING every ``probe_interval_s`` while open; the first that succeeds closes."""
+        while self._open:
+            await asyncio.sleep(self.probe_interval_s)
+            self.metrics.quota_breaker_probes_total += 1
+            try:
+                up = await self.primary.ping()
+            except Exception:
+                up = False
+            if up:
+                self._open = False
+                self._consecutive = 0
+                self.metrics.quota_breaker_open = 0
+                self._closed.set()
+                self._wake.set()
+                log.warning("quota_breaker_closed", pending=len(self._pending))
+
+    # -- admission -------------------------------------------------------------------------
+
+    async def admit(self, request: AdmitRequest) -> Verdict:
+        self._sweep()
+        key = request.reservation_key
+        try:
+            verdict = await self._guarded(lambda: self.primary.admit(request))
+        except CircuitOpen:
+            if not request.fail_open:
+                self._remember_unsent(key)
+                raise
+            return await self._admit_locally(request, sent=False)
+        except QuotaUnavailable:
+            if not request.fail_open:
+                raise
+            return await self._admit_locally(request, sent=True)
+        if verdict.admitted and request.token_counters and request.fail_open:
+            self._tracked.setdefault(
+                key, _Tracked(created=self._clock(), redis_reserved=request.tokens)
+            )
+        return verdict
+
+    async def _admit_locally(self, request: AdmitRequest, sent: bool) -> Verdict:
+        """Admit from the local allowance; ``sent``: Redis may have seen the admission."""
+        key = request.reservation_key
+        verdict = await self.local.admit(
+            AdmitRequest(
+                key,
+                _local(request.request_counters),
+                _local(request.token_counters),
+                request.tokens,
+                count_refused_attempts=False,
+                record_ttl_s=request.record_ttl_s,
+            )
+        )
+        if not verdict.admitted:
+            self.metrics.fail_open_refusals_total += 1
+            if not sent:
+                self._remember_unsent(key)  # the caller's cancel has nothing to do
+            raise QuotaUnavailable(
+                f"quota backend unavailable; fail-open allowance ({verdict.refused_by}) used up"
+            )
+        now = self._clock()
+        if sent:
+            # The admission may have run in Redis (or may still run, from a paused server):
+            # cancel it there. What is served here is charged by the absorb at settlement.
+            self._enqueue(_Op("cancel", key, request.token_counters))
+        tracked = _Tracked(
+            created=now,
+            local=True,
+            local_record=True,
+            request_counters=() if sent else request.request_counters,
+            admitted_at=now,
+            charges=[(now, request.tokens)] if request.tokens else [],
+        )
+        self.metrics.fail_open_admissions_total += 1
+        self.metrics.fail_open_tokens_total += request.tokens
+        if request.token_counters:
+            self._tracked[key] = tracked
+        else:  # nothing will be settled: the RPM is reconciled now
+            self._absorb(key, tracked, (), 0)
+        return Verdict(admitted=True, local=True)
+
+    # -- leases ----------------------------------------------------------------------------
+
+    async def reserve(
+        self,
+        reservation_key: str,
+        seq: int,
+        token_counters: tuple[Counter, ...],
+        amount: int,
+        minimum: int = 1,
+    ) -> Grant:
+        tracked = self._tracked.get(reservation_key)
+        if tracked is not None and (tracked.local or tracked.redis_lost):
+            return await self._reserve_locally(
+                tracked, reservation_key, seq, token_counters, amount, minimum
+            )
+        try:
+            grant = await self._guarded(
+                lambda: self.primary.reserve(reservation_key, seq, token_counters, amount, minimum)
+            )
+        except QuotaUnavailable:
+            if tracked is None:
+                raise
+            return await self._reserve_locally(
+                tracked, reservation_key, seq, token_counters, amount, minimum
+            )
+        if tracked is not None:
+            if grant.granted == 0 and not grant.states:
+                # Not a refusal (that carries states): Redis lost the admitted record (it
+                # restarted). The stream goes on from the local allowance.
+                tracked.redis_lost = True
+                log.warning("quota_record_lost", request_id=reservation_key)
+                return await self._reserve_locally(
+                    tracked, reservation_key, seq, token_counters, amount, minimum
+                )
+            if not grant.replayed:
+                tracked.redis_reserved += grant.granted
+        return grant
+
+    async def _reserve_locally(
+        self,
+        tracked: _Tracked,
+        key: str,
+        seq: int,
+        token_counters: tuple[Counter, ...],
+        amount: int,
+        minimum: int,
+    ) -> Grant:
+        counters = _local(token_counters)
+        if not tracked.local_record:
+            tracked.local_record = True
+            await self.local.admit(AdmitRequest(key, (), counters, 0, count_refused_attempts=False))
+        grant = await self.local.reserve(key, seq, counters, amount, minimum)
+        if grant.granted == 0:
+            self.metrics.fail_open_refusals_total += 1
+            raise QuotaUnavailable("quota backend unavailable; fail-open allowance used up")
+        if not grant.replayed:
+            tracked.charges.append((self._clock(), grant.granted))
+            self.metrics.fail_open_lease_batches_total += 1
+            self.metrics.fail_open_tokens_total += grant.granted
+        return Grant(granted=grant.granted, replayed=grant.replayed, local=True)
+
+    # -- settlement ------------------------------------------------------------------------
+
+    async def settle(
+        self, reservation_key: str, token_counters: tuple[Counter, ...], used: int
+    ) -> Settlement:
+        windows.check_settle(used, token_counters)
+        tracked = self._tracked.pop(reservation_key, None)
+        if tracked is None or not tracked.local_record:
+            return await self._settle_remote(reservation_key, token_counters, used)
+        # Redis reserved the oldest part of the request, so it takes the oldest usage.
+        used_remote = 0 if tracked.local else min(used, tracked.redis_reserved)
+        used_local = used - used_remote
+        local = await self.local.settle(reservation_key, _local(token_counters), used_local)
+        self._absorb(reservation_key, tracked, token_counters, used_local)
+        if tracked.local:
+            return Settlement(
+                reserved=local.reserved,
+                used=used,
+                refunded=local.refunded,
+                refunded_per_counter=local.refunded_per_counter,
+                queued=True,
+            )
+        remote = await self._settle_remote(reservation_key, token_counters, used_remote)
+        return Settlement(
+            reserved=remote.reserved + local.reserved,
+            used=used,
+            refunded=remote.refunded,
+            already_settled=remote.already_settled,
+            refunded_per_counter=remote.refunded_per_counter,
+            queued=True,
+        )
+
+    async def _settle_remote(
+        self, key: str, token_counters: tuple[Counter, ...], used: int
+    ) -> Settlement:
+        try:
+            return await self._guarded(lambda: self.primary.settle(key, token_counters, used))
+        except QuotaUnavailable as exc:
+            queued = self._enqueue(_Op("settle", key, token_counters, used=used))
+            if queued:
+                log.info("settle_queued", request_id=key, used=used, error=repr(exc))
+            zeros = _zeros(token_counters)
+            return Settlement(
+                reserved=0, used=used, refunded=0, refunded_per_counter=zeros, queued=queued
+            )
+
+    async def cancel(
+        self,
+        reservation_key: str,
+        token_counters: tuple[Counter, ...],
+        tombstone_ttl_s: int = RECORD_TTL_S,
+    ) -> Settlement:
+        windows.check_cancel(tombstone_ttl_s, token_counters)
+        zeros = _zeros(token_counters)
+        if reservation_key in self._unsent:  # the admission never left this process
+            del self._unsent[reservation_key]
+            return Settlement(reserved=0, used=0, refunded=0, refunded_per_counter=zeros)
+        tracked = self._tracked.get(reservation_key)
+        if tracked is not None and tracked.local:
+            return await self.settle(reservation_key, token_counters, 0)
+        if tracked is not None and tracked.local_record:
+            del self._tracked[reservation_key]
+            await self.local.cancel(reservation_key, _local(token_counters))
+        try:
+            return await self._guarded(
+                lambda: self.primary.cancel(reservation_key, token_counters, tombstone_ttl_s)
+            )
+        except QuotaUnavailable:
+            queued = self._enqueue(
+                _Op("cancel", reservation_key, token_counters, ttl_s=tombstone_ttl_s)
+            )
+            return Settlement(
+                reserved=0, used=0, refunded=0, refunded_per_counter=zeros, queued=queued
+            )
+
+    # -- reconciliation --------------------------------------------------------------------
+
+    def _absorb(
+        self, key: str, tracked: _Tracked, token_counters: tuple[Counter, ...], used: int
+    ) -> None:
+        """Queue the charge of what a reservation used locally, window by window."""
+        now = self._clock()
+        entries: dict[tuple[str, int, int], int] = {}
+
+        def add(counter: Counter, at: float, amount: int) -> None:
+            start = windows.window_start(math.floor(at), counter.window_s)
+            where = (counter.key, counter.window_s, start)
+            entries[where] = entries.get(where, 0) + amount
+
+        for counter in tracked.request_counters:
+            add(counter, tracked.admitted_at, 1)
+        for counter in token_counters:
+            left = used
+            for at, amount in tracked.charges:  # usage fills the oldest charges first
+                if left <= 0:
+                    break
+                take = min(left, amount)
+                add(counter, at, take)
+                left -= take
+            if left > 0:  # beyond the reservation: the window it settles in
+                add(counter, now, left)
+        if entries:
+            flat = tuple((p, w, s, n) for (p, w, s), n in entries.items())
+            self._enqueue(_Op("absorb", absorb_key(key), entries=flat, tokens=used))
+
+    async def _absorb_call(self, op: _Op) -> Any:
+        keys = [op.key, *(entry[0] for entry in op.entries)]
+        args: list[Any] = [RECORD_TTL_S, windows.EXPIRY_MARGIN_S]
+        for _, window_s, start, amount in op.entries:
+            args += (window_s, start, amount)
+        return await self.primary._call("absorb", lambda: self._absorb_script(keys=keys, args=args))
+
+    # -- queue -----------------------------------------------------------------------------
+
+    def _enqueue(self, op: _Op) -> bool:
+        """Queue a call for when the backend returns; False when the queue is full."""
+        ident = (op.kind, op.key)
+        if ident in self._pending:
+            return True
+        if len(self._pending) >= self.queue_max:
+            self.metrics.quota_queue_dropped_total += 1
+            log.error(
+                "quota_queue_full_dropped",
+                kind=op.kind,
+                request_id=op.key,
+                used=op.used,
+                tokens=op.tokens,
+                queue_max=self.queue_max,
+            )
+            return False
+        self._pending[ident] = op
+        self.metrics.quota_queued_total += 1
+        self.metrics.quota_queue_depth = len(self._pending)
+        self._empty.clear()
+        self._wake.set()
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.get_running_loop().create_task(self._drain())
+        return True
+
+    async def _apply(self, op: _Op) -> None:
+        if op.kind == "settle":
+            await self._guarded(lambda: self.primary.settle(op.key, op.counters, op.used))
+        elif op.kind == "cancel":
+            await self._guarded(lambda: self.primary.cancel(op.key, op.counters, op.ttl_s))
+        else:
+            await self._guarded(lambda: self._absorb_call(op))
+            self.metrics.reconciled_reservations_total += 1
+            self.metrics.reconciled_tokens_total += op.tokens
+
+    async def _drain(self) -> None:
+        """Apply queued calls, oldest first, whenever the breaker is closed."""
+        while True:
+            if not self._pending:
+                self._empty.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self._open:
+                await self._closed.wait()
+                continue
+            batch = list(itertools.islice(self._pending.values(), DRAIN_BATCH))
+            results = await asyncio.gather(
+                *(self._apply(op) for op in batch), return_exceptions=True
+            )
+            failed = False
+            for op, result in zip(batch, results, strict=True):
+                if isinstance(result, CircuitOpen):
+                    continue  # not tried: waits for the breaker to close
+                if isinstance(result, QuotaUnavailable):
+                    failed = True
+                    op.attempts += 1
+                    if op.attempts < MAX_OP_ATTEMPTS:
+                        continue
+                    self._give_up(op, result)
+                elif isinstance(result, BaseException):
+                    self._give_up(op, result)
+                else:
+                    self.metrics.quota_queue_applied_total += 1
+                self._pending.pop((op.kind, op.key), None)
+            self.metrics.quota_queue_depth = len(self._pending)
+            if failed and not self._open:
+                await asyncio.sleep(self.probe_interval_s)
+
+    def _give_up(self, op: _Op, error: BaseException) -> None:
+        self.metrics.quota_queue_dropped_total += 1
+        log.error(
+            "quota_queue_gave_up",
+            kind=op.kind,
+            request_id=op.key,
+            used=op.used,
+            tokens=op.tokens,
+            attempts=op.attempts,
+            error=repr(error),
+        )
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued call is applied, at most ``timeout_s``; True when done."""
+        if not self._pending:
+            return True
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await self._empty.wait()
+        except TimeoutError:
+            log.error("quota_queue_unflushed", pending=len(self._pending), **self._lost())
+            return False
+        return True
+
+    def _lost(self) -> dict[str, int]:
+        kinds = [op.kind for op in self._pending.values()]
+        return {
+            "settlements": kinds.count("settle"),
+            "cancels": kinds.count("cancel"),
+            "absorbs": kinds.count("absorb"),
+            "absorb_tokens": sum(op.tokens for op in self._pending.values()),
+        }
+
+    # -- housekeeping ----------------------------------------------------------------------
+
+    def _remember_unsent(self, key: str) -> None:
+        self._unsent[key] = None
+        if len(self._unsent) > UNSENT_MAX:
+            self._unsent.popitem(last=False)
+
+    def _sweep(self) -> None:
+        """Forget fail-open requests that never settled (their records expired anyway)."""
+        now = self._clock()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_INTERVAL_S
+        horizon = now - RECORD_TTL_S
+        self._tracked = {k: t for k, t in self._tracked.items() if t.created > horizon}
+
+    async def ping(self) -> bool:
+        return await self.primary.ping()
+
+    async def close(self) -> None:
+        for task in (self._worker, self._prober):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._pending:
+            log.error("quota_queue_lost", pending=len(self._pending), **self._lost())
+        await self.primary.close()
+        await self.local.close()

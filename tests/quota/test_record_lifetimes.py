@@ -1,0 +1,148 @@
+"""Record lifetimes on both backends: open an hour, settled two minutes, cancelled as before.
+
+A settled record only has to answer the settling processor's own retries of ``settle``;
+keeping it for the hour an open record lives costs ~1 KB per request for nothing. A
+tombstone (``cancel`` before any admission) and a cancelled record keep their TTL: an admit
+may still be queued for that key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+
+import pytest
+
+from extproc.quota.base import RECORD_TTL_S, SETTLED_TTL_S, Counter, QuotaBackend
+from extproc.quota.keys import reservation_key
+from extproc.quota.memory_backend import MemoryQuotaBackend
+from extproc.quota.redis_backend import RedisQuotaBackend
+from tests.quota.conftest import Harness, MemoryHarness, RedisHarness
+from tests.quota.test_conformance import HOUR, admit_request, counter
+
+_ids = itertools.count()
+
+
+async def record_ttl(harness: Harness, key: str, backend: QuotaBackend | None = None) -> float:
+    """Seconds the record of ``key`` has left; -2 when there is none (as Redis ``TTL``)."""
+    if isinstance(harness, MemoryHarness):
+        memory = backend if isinstance(backend, MemoryQuotaBackend) else harness.memory
+        ttl = memory.record_ttl(key)
+        return -2 if ttl is None else ttl
+    assert isinstance(harness, RedisHarness)
+    ttl_ms = int(await harness.plain.pttl(key))
+    return float(ttl_ms) if ttl_ms < 0 else ttl_ms / 1000
+
+
+def short_lived(harness: Harness, settled_ttl_s: int) -> QuotaBackend:
+    """A second backend on the same store (and clock) whose settled records live briefly."""
+    if isinstance(harness, MemoryHarness):
+        # Its own store, but the harness's clock: the test advances time for it.
+        return MemoryQuotaBackend(clock=harness.clock, settled_ttl_s=settled_ttl_s)
+    assert isinstance(harness, RedisHarness)
+    return RedisQuotaBackend.from_url(harness.server.url, settled_ttl_s=settled_ttl_s)
+
+
+async def let_record_expire(harness: Harness, backend: QuotaBackend, key: str) -> None:
+    if isinstance(harness, MemoryHarness):
+        harness.clock.now += 1.5
+        return
+    for _ in range(400):  # Redis expires it on its own clock; wait until it has
+        if await record_ttl(harness, key) == -2:
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"record {key} did not expire")
+
+
+async def test_an_open_record_lives_an_hour_and_a_settled_one_at_most_two_minutes(
+    harness: Harness,
+) -> None:
+    await harness.ensure_room(HOUR, 5)
+    tpm = counter("tpm", 10_000)
+    request = admit_request(None, (tpm,), 100)
+    await harness.backend.admit(request)
+    await harness.backend.reserve(request.reservation_key, 1, (tpm,), 32)
+
+    assert SETTLED_TTL_S < await record_ttl(harness, request.reservation_key) <= RECORD_TTL_S
+    settlement = await harness.backend.settle(request.reservation_key, (tpm,), used=90)
+    assert 0 < await record_ttl(harness, request.reservation_key) <= SETTLED_TTL_S
+
+    # Within that time a retry of the settlement is answered from the record, once.
+    again = await harness.backend.settle(request.reservation_key, (tpm,), used=90)
+    assert again.already_settled and (again.reserved, again.used) == (132, 90)
+    assert settlement.refunded == 42 and await harness.total(tpm) == 90
+
+
+async def test_settling_never_lengthens_a_record_that_expires_sooner(harness: Harness) -> None:
+    await harness.ensure_room(HOUR, 5)
+    tpm = counter("tpm", 10_000)
+    request = dataclasses.replace(admit_request(None, (tpm,), 100), record_ttl_s=30)
+    await harness.backend.admit(request)
+    await harness.backend.settle(request.reservation_key, (tpm,), used=100)
+    assert 0 < await record_ttl(harness, request.reservation_key) <= 30
+
+
+async def test_a_tombstone_and_a_cancelled_record_keep_their_lifetime(harness: Harness) -> None:
+    await harness.ensure_room(HOUR, 5)
+    tpm = counter("tpm", 10_000)
+    admitted = admit_request(None, (tpm,), 100)
+    await harness.backend.admit(admitted)
+    await harness.backend.cancel(admitted.reservation_key, (tpm,))
+    tombstone = reservation_key("acme", f"never-admitted-{next(_ids)}")
+    await harness.backend.cancel(tombstone, (tpm,))
+
+    # An admission may still be queued for either key: both outlive it as before.
+    assert SETTLED_TTL_S < await record_ttl(harness, admitted.reservation_key) <= RECORD_TTL_S
+    assert SETTLED_TTL_S < await record_ttl(harness, tombstone) <= RECORD_TTL_S
+    assert await harness.total(tpm) == 0
+
+
+async def test_a_refused_record_is_not_shortened_by_a_settle(harness: Harness) -> None:
+    await harness.ensure_room(HOUR, 5)
+    tpm = counter("tpm", 10)
+    refused = admit_request(None, (tpm,), 100)
+    assert not (await harness.backend.admit(refused)).admitted
+    await harness.backend.settle(refused.reservation_key, (tpm,), used=5)
+    # Its replay must still come back refused, whatever capacity frees up meanwhile.
+    assert SETTLED_TTL_S < await record_ttl(harness, refused.reservation_key) <= RECORD_TTL_S
+    assert await harness.total(tpm) == 0
+
+
+async def test_a_settle_retry_after_the_settled_record_expired_charges_nothing(
+    harness: Harness,
+) -> None:
+    await harness.ensure_room(HOUR, 10)
+    backend = short_lived(harness, settled_ttl_s=1)
+    try:
+        tpm = counter("tpm", 10_000)
+        request = admit_request(None, (tpm,), 100)
+        assert (await backend.admit(request)).admitted
+        await backend.settle(request.reservation_key, (tpm,), used=60)
+        # At most a second left (or already gone, on a slow machine), and never no expiry.
+        ttl = await record_ttl(harness, request.reservation_key, backend)
+        assert ttl == -2 or 0 <= ttl <= 1
+        charged = await _charged(harness, backend, tpm)
+        assert charged == 60
+
+        await let_record_expire(harness, backend, request.reservation_key)
+        late = await backend.settle(request.reservation_key, (tpm,), used=60)
+        assert (late.reserved, late.refunded, late.already_settled) == (0, 0, False)
+        assert await _charged(harness, backend, tpm) == charged
+    finally:
+        await backend.close()
+
+
+def test_settled_ttl_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="settled_ttl_s"):
+        MemoryQuotaBackend(settled_ttl_s=0)
+    with pytest.raises(ValueError, match="settled_ttl_s"):
+        RedisQuotaBackend.from_url("redis://127.0.0.1:1/0", settled_ttl_s=0)
+
+
+async def _charged(harness: Harness, backend: QuotaBackend, tpm: Counter) -> int:
+    """What ``backend`` holds on the counter (the memory twin keeps its own store)."""
+    if isinstance(backend, MemoryQuotaBackend) and backend is not harness.backend:
+        head = tpm.key + ":"
+        return sum(v for k, v in backend.counters().items() if k.startswith(head))
+    return await harness.total(tpm)
