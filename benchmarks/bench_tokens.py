@@ -119,8 +119,12 @@ def token_deltas(text: str, tok: ModelTokenizer) -> list[str]:
 def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     registry = TokenizerRegistry.from_config(None)
-    models = {"o200k": "gpt-4o", "cl100k": "gpt-4", "sentencepiece": "mixtral-8x7b",
-              "estimator": "unknown"}
+    models = {
+        "o200k": "gpt-4o",
+        "cl100k": "gpt-4",
+        "sentencepiece": "mixtral-8x7b",
+        "estimator": "unknown",
+    }
     for name, model in models.items():
         bench_prompt(name, registry.counter_for(model))
     for name, model in models.items():

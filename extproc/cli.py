@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--listen", help="override the config's listen address (host:port)")
     serve.add_argument("--redis-url", help="override the config's redis_url")
     serve.add_argument("--metrics-listen", help="host:port for Prometheus /metrics (off if unset)")
+    serve.add_argument(
+        "--drain-delay-s",
+        type=float,
+        help="override the config's drain_delay_s: after SIGTERM, seconds of NOT_SERVING "
+        "while new streams are still taken (0 when nothing health-checks the processor)",
+    )
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
         "--workers",
@@ -64,9 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     _configure_logging(args.log_level)
-    overrides = {"listen": args.listen, "redis_url": args.redis_url}
+    overrides = {
+        "listen": args.listen,
+        "redis_url": args.redis_url,
+        "drain_delay_s": args.drain_delay_s,
+    }
     try:
-        config = load_config(args.config, {k: v for k, v in overrides.items() if v})
+        config = load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
     except ConfigError as exc:
         print(f"invalid config: {exc}", file=sys.stderr)
         return 2
@@ -79,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         shared = ["--config", args.config, "--log-level", args.log_level]
         if args.redis_url:
             shared += ["--redis-url", args.redis_url]
+        if args.drain_delay_s is not None:
+            shared += ["--drain-delay-s", str(args.drain_delay_s)]
         return supervise(shared, args.workers, config.listen, args.metrics_listen)
     from extproc.transport.server import serve as run_server
 

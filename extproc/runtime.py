@@ -13,6 +13,8 @@ from extproc.config import Config
 from extproc.metrics import Metrics
 from extproc.quota.base import QuotaBackend
 from extproc.quota.factory import backend_from_url
+from extproc.quota.orphans import Liveness, start_liveness
+from extproc.quota.resilient import Resilience
 from extproc.tokens.registry import DEFAULT_RULES, TokenizerRegistry, TokenizerRule
 
 if TYPE_CHECKING:
@@ -36,11 +38,39 @@ class Runtime:
     def __init__(self, config: Config, backend: QuotaBackend | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.backend = backend if backend is not None else backend_from_url(config.redis_url)
+        self.backend = (
+            backend
+            if backend is not None
+            else backend_from_url(
+                config.redis_url,
+                command_timeout_s=config.quota_timeout_s,
+                resilience=Resilience(
+                    failures=config.circuit_breaker.failures,
+                    probe_interval_s=config.circuit_breaker.probe_interval_s,
+                    queue_max=config.settle_queue_max,
+                ),
+                metrics=self.metrics,
+            )
+        )
         self.registry = TokenizerRegistry(tokenizer_rules(config))
-        self.admission = Admission(config, self.backend, self.registry, self.metrics)
+        self.admission = Admission(config, self.backend, self.registry, self.metrics, self.spawn)
         self.open_sessions: set[Session] = set()
         self._background: set[asyncio.Task[Any]] = set()
+        # Heartbeat, registration of open reservations, sweep for dead peers (Redis only):
+        # started here when built on a running loop (``serve``), stopped in ``close``.
+        self.liveness: Liveness | None = None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            self.liveness = start_liveness(
+                self.backend,
+                self.metrics,
+                prefix=config.key_prefix,
+                heartbeat_ttl_s=config.heartbeat_ttl_s,
+                sweep_interval_s=config.orphan_sweep_s,
+            )
 
     def warm_up(self) -> None:
         """Resolve every configured model's tokenizer now, not on a client's first request."""
@@ -56,11 +86,24 @@ class Runtime:
         return task
 
     async def drain(self, timeout_s: float) -> None:
-        """Settle every open session and wait for background work (settlements, leases)."""
+        """Settle every open session as ``shutdown`` and wait, for at most ``timeout_s``, for
+        background work (settlements, leases) and the work it spawns in turn, then for the
+        backend's queue of settlements it could not apply yet (Redis down)."""
         for session in list(self.open_sessions):
             self.spawn(session.close("shutdown"))
-        if self._background:
-            await asyncio.wait(list(self._background), timeout=timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._background:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                log.error("drain_timeout", pending=len(self._background))
+                break
+            await asyncio.wait(list(self._background), timeout=remaining)
+        flush = getattr(self.backend, "flush", None)
+        if flush is not None:
+            await flush(max(0.0, deadline - loop.time()))
 
     async def close(self) -> None:
+        if self.liveness is not None:
+            await self.liveness.stop()  # after drain: the last settlements are registered
         await self.backend.close()

@@ -18,6 +18,7 @@ from extproc.admission.gate import Admission, Admitted
 from extproc.admission.identity import UNTRUSTED_HEADERS
 from extproc.admission.ratelimit_headers import ratelimit_headers
 from extproc.admission.request import METERED_PATHS
+from extproc.admission.routes import upstream_allowed
 from extproc.billing.meter import ResponseMeter
 from extproc.transport import messages as msg
 
@@ -36,9 +37,27 @@ QUOTA_UNAVAILABLE = ApiError(
 )
 
 
+MAX_CLIENT_ID = 200
+_DROPPED_HEADERS = (
+    *(h for h in UNTRUSTED_HEADERS if h != "x-tenant-id"),
+    "authorization",
+    "x-api-key",
+)
+
+
+UPSTREAM_UNREADABLE = ApiError(
+    502,
+    "The upstream answered in a content encoding the gateway cannot meter.",
+    "api_error",
+    "upstream_unreadable",
+)
+
+
 class Session:
     __slots__ = (
         "admitted",
+        "busy",
+        "client_request_id",
         "last_activity",
         "meter",
         "path",
@@ -51,12 +70,16 @@ class Session:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.tenant: TenantSpec | None = None
-        self.request_id = ""
+        # Charges are keyed by an id minted here per exchange: a client's x-request-id is
+        # only a label (a replayed id must never be served uncharged).
+        self.request_id = uuid.uuid4().hex
+        self.client_request_id = ""
         self.path = ""
         self.admitted: Admitted | None = None
         self.meter: ResponseMeter | None = None
         self.upstream_status = 0
         self.last_activity = 0.0
+        self.busy = False  # a message is being handled: the idle watchdog waits
 
     @property
     def finished(self) -> bool:
@@ -67,6 +90,17 @@ class Session:
         if self.meter is None:
             return None
         out = await self.meter.on_idle_timeout()
+        return None if out is None else msg.stream_response_body(out, True)
+
+    async def on_shutdown(self) -> msg.ProcessingResponse | None:
+        """Shutdown grace over: the meter's closing event + ``[DONE]`` with end_of_stream.
+
+        None when nothing can be sent (not admitted, no response headers yet, already
+        ended); an admitted request is then settled as ``shutdown`` by ``Runtime.drain``.
+        """
+        if self.meter is None:
+            return None
+        out = await self.meter.on_shutdown()
         return None if out is None else msg.stream_response_body(out, True)
 
     @property
@@ -92,8 +126,7 @@ class Session:
         if kind == "response_headers":
             return self._on_response_headers(request.response_headers)
         if kind == "response_trailers":
-            if self.meter is not None:
-                await self.meter.on_trailers()
+            # Trailers are answered by the caller; what the meter still held goes first.
             return msg.continue_response_trailers()
         if kind == "request_trailers":
             return msg.ProcessingResponse(request_trailers=msg.pb.TrailersResponse())
@@ -103,17 +136,13 @@ class Session:
     def _on_request_headers(self, http: msg.pb.HttpHeaders) -> msg.ProcessingResponse:
         headers = msg.header_map(http)
         self.path = headers.get(":path", "").split("?", 1)[0]
-        self.request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        self.client_request_id = headers.get("x-request-id", "")[:MAX_CLIENT_ID]
         try:
             self.tenant = self.admission.authenticate(headers)
             method = headers.get(":method", "GET")
             # Only metered endpoints and the model list reach the upstream: anything else
             # (embeddings, the server's admin or metrics pages) would bypass the meter.
-            allowed = (
-                self.path in METERED_PATHS
-                if method == "POST"
-                else method == "GET" and self.path.startswith("/v1/models")
-            )
+            allowed = upstream_allowed(method, self.path)
             if not allowed:
                 raise ApiError(
                     404,
@@ -126,11 +155,12 @@ class Session:
         except ApiError as error:
             self.runtime.metrics.refusal(error.code or error.type)
             return msg.immediate(error)
-        # Identity and cost are the gateway's to state; whatever the client claimed is dropped.
+        # Identity and cost are the gateway's to state; whatever the client claimed is dropped,
+        # and so are the gateway's own API keys. The answer must be readable by the meter.
         return msg.continue_request_headers(
             msg.mutation(
-                set_headers=[("x-tenant-id", self.tenant.id)],
-                remove=[h for h in UNTRUSTED_HEADERS if h != "x-tenant-id" and h in headers],
+                set_headers=[("x-tenant-id", self.tenant.id), ("accept-encoding", "identity")],
+                remove=[h for h in _DROPPED_HEADERS if h in headers],
             )
         )
 
@@ -152,11 +182,12 @@ class Session:
         self.runtime.open_sessions.add(self)
         self.runtime.metrics.admitted_total += 1
         new_body = admitted.request.new_body
-        headers = None
-        if new_body is not None:
-            # BUFFERED + SEND headers: content-length is the processor's to keep right.
-            headers = msg.mutation(set_headers=[("content-length", str(len(new_body)))])
-        return msg.continue_request_body(new_body, headers)
+        # BUFFERED + SEND headers: content-length is the processor's to keep right.
+        set_headers = [("content-length", str(len(new_body)))]
+        credential = admitted.request.model.upstream_authorization
+        if credential is not None:
+            set_headers.append(("authorization", credential))
+        return msg.continue_request_body(new_body, msg.mutation(set_headers=set_headers))
 
     def _on_response_headers(self, http: msg.pb.HttpHeaders) -> msg.ProcessingResponse:
         headers = msg.header_map(http)
@@ -166,11 +197,29 @@ class Session:
             self.upstream_status = 0
         if self.meter is None or self.admitted is None:
             return msg.continue_response_headers()
-        self.meter.on_headers(self.upstream_status, headers.get("content-type", ""))
+        self.meter.on_headers(
+            self.upstream_status,
+            headers.get("content-type", ""),
+            headers.get("content-encoding", ""),
+        )
+        if self.meter.mode == "unreadable":
+            # Nothing has gone out yet: a clear error instead of an answer nobody can meter.
+            return msg.immediate(UPSTREAM_UNREADABLE)
         remove = ["content-length"] if self.meter.may_rewrite_body else []
+        if self.meter.decoding:
+            remove.append("content-encoding")
         return msg.continue_response_headers(
             msg.mutation(set_headers=ratelimit_headers(self.meter.states), remove=remove)
         )
+
+    async def on_trailers(self) -> msg.ProcessingResponse | None:
+        """The body's last bytes (an SSE tail still buffered) as a streamed body message."""
+        if self.meter is None:
+            return None
+        tail = await self.meter.on_trailers()
+        if not tail:
+            return None
+        return msg.stream_response_body(tail, self.meter.finished)
 
     async def close(self, reason: str) -> None:
         """End of the gRPC stream for any reason: settle once."""

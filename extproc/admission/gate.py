@@ -2,26 +2,53 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, replace
+from typing import Any
+
+import structlog
 
 from extproc.admission.errors import ApiError, invalid_request, model_not_found, unauthorized
 from extproc.admission.identity import KeyRing, presented_key
 from extproc.admission.policy import PolicyBook, QuotaPolicy
 from extproc.admission.ratelimit_headers import ratelimit_headers, retry_after
 from extproc.admission.request import Endpoint, ModelRequest, parse_model_request
+from extproc.billing.lease import REFUND_RETRY_S, first_lease, refund_retries
 from extproc.config import Config, TenantSpec
 from extproc.metrics import Metrics
 from extproc.quota import keys
-from extproc.quota.base import AdmitRequest, CounterState, QuotaBackend
+from extproc.quota.base import (
+    AdmitRequest,
+    Counter,
+    CounterState,
+    QuotaBackend,
+    QuotaUnavailable,
+    Verdict,
+)
 from extproc.tokens.prompt import MalformedRequest, count_prompt_tokens
 from extproc.tokens.registry import ModelTokenizer, TokenizerRegistry
 
+log = structlog.get_logger("extproc.admission")
+
 _REFUSAL_CODES = {
-    "rpm": ("rpm_limit_exceeded", "requests per minute"),
-    "tpm": ("tpm_limit_exceeded", "tokens per minute"),
-    "tenant_tpm": ("tpm_limit_exceeded", "tokens per minute (all models)"),
-    "daily": ("daily_budget_exceeded", "tokens per day"),
+    "rpm": ("rpm_limit_exceeded", "requests per {window}"),
+    "tpm": ("tpm_limit_exceeded", "tokens per {window}"),
+    "tenant_tpm": ("tpm_limit_exceeded", "tokens per {window} (all models)"),
+    "daily": ("daily_budget_exceeded", "tokens per {window}"),
 }
+_WINDOW_NAMES = ((86400, "day"), (3600, "hour"), (60, "minute"), (1, "second"))
+
+
+def window_name(window_s: int) -> str:
+    """``minute``, ``hour``, ``day``, or ``90 seconds`` / ``2 hours`` for other lengths."""
+    for length, name in _WINDOW_NAMES:
+        if window_s == length:
+            return name
+    for length, name in _WINDOW_NAMES:
+        if window_s % length == 0:
+            return f"{window_s // length} {name}s"
+    return f"{window_s} seconds"
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +68,16 @@ class Admitted:
     @property
     def incremental(self) -> bool:
         """Lease-ahead billing applies: a stream on an incremental plan with token limits."""
-        return (
-            self.request.stream
-            and self.policy.charge_mode == "incremental"
-            and bool(self.policy.token_counters)
-        )
+        return leases_output(self.request, self.policy) and bool(self.policy.token_counters)
+
+
+def leases_output(request: ModelRequest, policy: QuotaPolicy) -> bool:
+    """Output is leased in batches as it streams, rather than reserved whole at admission.
+
+    Not for a model whose output may exceed its visible text (``reserve_max``): without a
+    running usage from the upstream, only ``max_tokens`` reserved up front bounds it.
+    """
+    return request.stream and policy.charge_mode == "incremental" and not request.model.reserve_max
 
 
 class Admission:
@@ -55,7 +87,9 @@ class Admission:
         backend: QuotaBackend,
         registry: TokenizerRegistry,
         metrics: Metrics,
+        spawn: Callable[[Coroutine[Any, Any, Any]], object],
     ) -> None:
+        self.spawn = spawn
         self.config = config
         self.metrics = metrics
         self.backend = backend
@@ -90,8 +124,8 @@ class Admission:
             raise invalid_request(str(exc), "invalid_request") from exc
 
         most_output = request.max_tokens * request.choices
-        if request.stream and policy.charge_mode == "incremental":
-            output_reserved = min(policy.batch_tokens, most_output)
+        if leases_output(request, policy):
+            output_reserved = first_lease(policy.batch_tokens, most_output)
         else:
             output_reserved = most_output
         reservation_key = keys.reservation_key(tenant.id, request_id, self.config.key_prefix)
@@ -100,26 +134,79 @@ class Admission:
                 tenant, request, policy, tokenizer, reservation_key,
                 prompt_tokens, output_reserved, (), False,
             )  # fmt: skip
-        self.metrics.quota_round_trips_total += 1
-        verdict = await self.backend.admit(
-            AdmitRequest(
-                reservation_key=reservation_key,
-                request_counters=policy.request_counters,
-                token_counters=policy.token_counters,
-                tokens=prompt_tokens + output_reserved,
-                count_refused_attempts=self.config.rpm_counts == "attempts",
-            )
+        charge = AdmitRequest(
+            reservation_key=reservation_key,
+            request_counters=policy.request_counters,
+            token_counters=policy.token_counters,
+            tokens=prompt_tokens + output_reserved,
+            count_refused_attempts=self.config.rpm_counts == "attempts",
         )
+        # Refused only because other requests hold leases they may not use: ask again for
+        # up to refund_wait_ms while their refunds come back, then take the final verdict.
+        waits = refund_retries(self.config.refund_wait_s)
+        for attempt in range(waits + 1):
+            soft = attempt < waits
+            verdict = await self._charge(replace(charge, soft_refusal=soft))
+            if not verdict.retry_soon:
+                break
+            self.metrics.admission_waits_total += 1
+            await asyncio.sleep(REFUND_RETRY_S)
+        if verdict.cancelled:
+            # Only a retry of this processor's own call can meet a cancelled key.
+            raise QuotaUnavailable(f"reservation {reservation_key} was cancelled")
         if not verdict.admitted:
-            raise _refusal(verdict.refused_by, verdict.states, prompt_tokens + output_reserved)
+            raise _refusal(
+                verdict.refused_by, verdict.states, prompt_tokens + output_reserved, policy
+            )
         return Admitted(
             tenant, request, policy, tokenizer, reservation_key,
             prompt_tokens, output_reserved, verdict.states, verdict.replayed,
         )  # fmt: skip
 
+    async def _charge(self, charge: AdmitRequest) -> Verdict:
+        self.metrics.quota_round_trips_total += 1
+        try:
+            return await self.backend.admit(charge)
+        except Exception:
+            # The charge may have been applied (or may still be, by a paused server): the
+            # request is answered 503, so the key is cancelled until the backend answers.
+            self.spawn(self._cancel(charge.reservation_key, charge.token_counters))
+            raise
 
-def _refusal(refused_by: str | None, states: tuple[CounterState, ...], cost: int) -> ApiError:
+    async def _cancel(self, reservation_key: str, counters: tuple[Counter, ...]) -> None:
+        self.metrics.lost_admissions_total += 1
+        await cancel_until_answered(self.backend, reservation_key, counters, self.metrics)
+
+
+CANCEL_ATTEMPTS = 30
+CANCEL_BACKOFF_MAX_S = 5.0
+
+
+async def cancel_until_answered(
+    backend: QuotaBackend, reservation_key: str, counters: tuple[Counter, ...], metrics: Metrics
+) -> bool:
+    """Retry ``cancel`` (idempotent) with backoff until the backend answers (~2 minutes)."""
+    for attempt in range(CANCEL_ATTEMPTS):
+        try:
+            await backend.cancel(reservation_key, counters)
+            return True
+        except Exception as exc:
+            log.warning(
+                "cancel_retry", request_id=reservation_key, attempt=attempt, error=repr(exc)
+            )
+            await asyncio.sleep(min(0.1 * 2**attempt, CANCEL_BACKOFF_MAX_S))
+    metrics.settle_errors_total += 1
+    log.error("cancel_failed", request_id=reservation_key)
+    return False
+
+
+def _refusal(
+    refused_by: str | None, states: tuple[CounterState, ...], cost: int, policy: QuotaPolicy
+) -> ApiError:
     code, what = _REFUSAL_CODES.get(refused_by or "rpm", _REFUSAL_CODES["rpm"])
+    counters = policy.request_counters + policy.token_counters
+    window_s = next((c.window_s for c in counters if c.kind == refused_by), 60)
+    what = what.format(window=window_name(window_s))
     state = next((s for s in states if s.kind == refused_by), None)
     if state is not None and refused_by != "rpm" and cost > state.limit:
         message = (

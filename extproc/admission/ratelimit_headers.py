@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import math
 
-from extproc.quota.base import CounterKind, CounterState
-
-_TOKEN_KINDS: frozenset[CounterKind] = frozenset({"tpm", "tenant_tpm", "daily"})
+from extproc.quota.base import TOKEN_KINDS, CounterKind, CounterState
 
 
 def format_reset(seconds: float) -> str:
@@ -28,7 +26,7 @@ def ratelimit_headers(states: tuple[CounterState, ...]) -> list[tuple[str, str]]
     headers: list[tuple[str, str]] = []
     requests = next((s for s in states if s.kind == "rpm"), None)
     tokens = min(
-        (s for s in states if s.kind in _TOKEN_KINDS), key=lambda s: s.remaining, default=None
+        (s for s in states if s.kind in TOKEN_KINDS), key=lambda s: s.remaining, default=None
     )
     for suffix, state in (("requests", requests), ("tokens", tokens)):
         if state is None:

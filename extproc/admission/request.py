@@ -1,12 +1,17 @@
 """The request body: model, stream flags and the output budget, rewritten when needed.
 
-Rewrites (the only ones; everything else reaches the model byte-for-byte):
+The body that reaches the upstream is always re-serialised from the parsed object, so it
+holds each key once and the upstream reads exactly what was charged (a duplicate ``"model"``
+or ``"max_tokens"`` key cannot make it serve another model or a longer answer). Rewrites:
 
+* ``model`` set to the quota model's upstream name, so a look-alike or alias is served as
+  the model it was charged to.
 * ``max_tokens`` / ``max_completion_tokens`` set to ``min(client value, server max)``, or to the
   model's default when the client sent none, so the upstream cannot generate more than the
   gateway reserved.
 * ``stream_options.include_usage = true`` on streamed requests, so settlement gets the
   upstream's own usage; the billing layer removes that chunk for clients that didn't ask.
+  For models with ``continuous_usage``, ``stream_options.continuous_usage_stats = true`` too.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ METERED_PATHS: dict[str, Endpoint] = {
     "/v1/completions": "completions",
 }
 MAX_CHOICES = 16
+# Completions served by one request: ``n`` per prompt, every prompt of a /v1/completions list.
+MAX_COMPLETIONS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +45,8 @@ class ModelRequest:
     stream: bool
     client_wants_usage: bool  # the client itself asked for the usage chunk
     max_tokens: int  # effective output budget per choice
-    choices: int  # `n`: every choice generates up to max_tokens
-    new_body: bytes | None  # the rewritten body, None when unchanged
+    choices: int  # completions generated: ``n`` × prompts, each up to max_tokens
+    new_body: bytes  # the body forwarded to the upstream
 
 
 def _positive_int(body: dict[str, Any], field: str) -> int | None:
@@ -80,11 +87,19 @@ def parse_model_request(endpoint: Endpoint, raw: bytes, config: Config) -> Model
         raise invalid_request(
             "Invalid value for 'stream': expected a boolean.", "invalid_value", "stream"
         )
-    choices = _positive_int(body, "n") or 1
-    if choices > MAX_CHOICES:
+    n = _positive_int(body, "n") or 1
+    if n > MAX_CHOICES:
         raise invalid_request(f"'n' must be at most {MAX_CHOICES}.", "invalid_value", "n")
+    choices = n * _prompt_count(body) if endpoint == "completions" else n
+    if choices > MAX_COMPLETIONS:
+        raise invalid_request(
+            f"The request asks for {choices} completions ('n' × prompts); "
+            f"at most {MAX_COMPLETIONS}.",
+            "invalid_value",
+            "prompt",
+        )
+    body["model"] = model.served_name
 
-    rewritten = False
     limit_fields = (
         ("max_tokens", "max_completion_tokens") if endpoint == "chat" else ("max_tokens",)
     )
@@ -92,13 +107,11 @@ def parse_model_request(endpoint: Endpoint, raw: bytes, config: Config) -> Model
     if asked:
         effective = min(min(asked), model.max_tokens)
         for field in limit_fields:
-            if field in body and body[field] is not None and body[field] != effective:
+            if field in body and body[field] is not None:
                 body[field] = effective
-                rewritten = True
     else:
         effective = model.default_max_tokens
         body["max_tokens"] = effective
-        rewritten = True
 
     client_wants_usage = False
     if stream:
@@ -112,9 +125,10 @@ def parse_model_request(endpoint: Endpoint, raw: bytes, config: Config) -> Model
                 "stream_options",
             )
         client_wants_usage = options.get("include_usage") is True
-        if not client_wants_usage:
-            body["stream_options"] = {**options, "include_usage": True}
-            rewritten = True
+        forced = {"include_usage": True}
+        if model.continuous_usage:
+            forced["continuous_usage_stats"] = True
+        body["stream_options"] = {**options, **forced}
 
     return ModelRequest(
         endpoint=endpoint,
@@ -125,5 +139,13 @@ def parse_model_request(endpoint: Endpoint, raw: bytes, config: Config) -> Model
         client_wants_usage=client_wants_usage,
         max_tokens=effective,
         choices=choices,
-        new_body=orjson.dumps(body) if rewritten else None,
+        new_body=orjson.dumps(body),
     )
+
+
+def _prompt_count(body: dict[str, Any]) -> int:
+    """Prompts in a /v1/completions request: a list of strings or of token-id lists is many."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1

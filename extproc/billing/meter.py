@@ -18,6 +18,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 import structlog
 
+from extproc.billing import answer
+from extproc.billing.decoding import DECODABLE, Decoder, UndecodableBody, encodings
+from extproc.billing.lease import (
+    REFUND_RETRY_S,
+    cover_lease,
+    fair_share,
+    next_lease,
+    refund_retries,
+)
 from extproc.billing.sse import (
     MALFORMED,
     JsonBodyCollector,
@@ -26,7 +35,7 @@ from extproc.billing.sse import (
     SseReassembler,
     parse_json_data,
 )
-from extproc.quota.base import Grant
+from extproc.quota.base import TOKEN_KINDS
 from extproc.tokens.incremental import IncrementalCounter
 
 if TYPE_CHECKING:
@@ -35,10 +44,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("extproc.billing")
 
-Mode = Literal["pending", "sse", "json", "upstream_error"]
+# sse: metered event by event; json: read whole at the end (a JSON answer, or a stream under
+# another content type); unreadable: an encoding the meter can't decode (refused).
+Mode = Literal["pending", "sse", "json", "upstream_error", "unreadable"]
 # Our count may differ from the upstream's usage by this much before it is flagged.
 USAGE_TOLERANCE = 0.02
-SETTLE_ATTEMPTS = 3
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -52,23 +62,7 @@ def delta_text(choice: dict[str, Any]) -> str:
     if type(delta) is dict and delta.keys() <= _PLAIN_DELTA_KEYS and "text" not in choice:
         content = delta.get("content")
         return content if type(content) is str else ""
-    text = choice.get("text")  # /v1/completions
-    parts: list[str] = [text] if isinstance(text, str) else []
-    if isinstance(delta, dict):
-        for field in ("content", "reasoning_content", "reasoning", "refusal"):
-            value = delta.get(field)
-            if isinstance(value, str):
-                parts.append(value)
-        calls = delta.get("tool_calls")
-        if isinstance(calls, list):
-            for call in calls:
-                function = call.get("function") if isinstance(call, dict) else None
-                if isinstance(function, dict):
-                    for field in ("name", "arguments"):
-                        value = function.get(field)
-                        if isinstance(value, str):
-                            parts.append(value)
-    return parts[0] if len(parts) == 1 else "".join(parts)
+    return answer.choice_text(choice)
 
 
 class ResponseMeter:
@@ -88,12 +82,18 @@ class ResponseMeter:
         self.seq = 0  # lease batch sequence number (idempotency with the request id)
         self.lease_task: asyncio.Task[None] | None = None
         self.exhausted = False
+        self.refusals = 0  # leases refused while others held reservations (asked again)
+        self._refusal_retries = refund_retries(runtime.config.refund_wait_s)
+        self.retry_due = False  # the last lease was such a refusal: wait, then ask again
         self.exhausted_code = "tpm_limit_exceeded"
         self.started = False  # response headers seen: the watchdog applies from here
         self.finished = False  # we ended the client's stream (cut-off or timeout)
         self.completed = False  # the upstream ended its stream normally
-        self.upstream_usage: dict[str, Any] | None = None
+        # The upstream's closing usage chunk arrived: it settles the request from here on,
+        # whatever the client does next.
+        self.final_usage: tuple[int, int] | None = None
         self.settled = False
+        self._decoder: Decoder | None = None
         self._sse = SseReassembler()
         self._json: JsonBodyCollector | None = None
         self._counters: dict[int, IncrementalCounter] = {}
@@ -101,14 +101,28 @@ class ResponseMeter:
 
     @property
     def may_rewrite_body(self) -> bool:
-        """An SSE body may lose the forced usage chunk or gain a closing event."""
-        return self.mode == "sse"
+        """An SSE body may lose the forced usage chunk or gain a closing event; a decoded
+        body changes length."""
+        return self.mode == "sse" or self._decoder is not None
 
-    def on_headers(self, status: int, content_type: str) -> None:
+    @property
+    def decoding(self) -> bool:
+        return self._decoder is not None
+
+    def on_headers(self, status: int, content_type: str, content_encoding: str = "") -> None:
         self.started = True  # from here the idle watchdog guards the reservation
         if status >= 400 or status < 200:
             self.mode = "upstream_error"
-        elif self.admitted.request.stream and "text/event-stream" in content_type:
+            return
+        codings = encodings(content_encoding)
+        if len(codings) > 1 or (codings and codings[0] not in DECODABLE):
+            log.warning("unreadable_encoding", request_id=self._rid, encoding=content_encoding)
+            self.mode = "unreadable"
+            self.runtime.spawn(self.settle("unreadable"))
+            return
+        if codings:
+            self._decoder = Decoder()
+        if self.admitted.request.stream and "text/event-stream" in content_type.lower():
             self.mode = "sse"
         else:
             self.mode = "json"
@@ -120,6 +134,15 @@ class ResponseMeter:
         """Bytes to forward for this body message, and whether they end the client's stream."""
         if self.finished:
             return None, False
+        if self._decoder is not None:
+            try:
+                chunk = self._decoder.feed(chunk, end_of_stream)
+            except UndecodableBody as exc:
+                log.warning("undecodable_body", request_id=self._rid, error=str(exc))
+                self.mode = "unreadable"
+                stream = self.admitted.request.stream
+                tail = self._closing_bytes("upstream_error") if stream else b""
+                return tail, self._finish("unreadable")
         if self.mode != "sse":
             if self._json is not None:
                 self._json.feed(chunk)
@@ -135,15 +158,31 @@ class ResponseMeter:
             out = await self._forward(exc.events)
             return out + self._closing_bytes("upstream_error"), self._finish("protocol_error")
         out = await self._forward(events)
+        if out is None:  # ended elsewhere (the watchdog) while this message waited
+            return None, False
         if self.finished:
             return out, True
         if end_of_stream:
             self._complete()
         return out, end_of_stream
 
-    async def on_trailers(self) -> None:
-        if not self.finished:
-            self._complete()
+    async def on_trailers(self) -> bytes | None:
+        """Trailers end the body: forward what the reassembler still holds, then settle."""
+        if self.finished:
+            return None
+        out = b""
+        if self.mode == "sse":
+            try:
+                tail = self._sse.finish()
+            except SseProtocolError as exc:
+                tail = exc.events
+            out = await self._forward(tail)
+            if out is None:
+                return None
+            if self.finished:
+                return out
+        self._complete()
+        return out
 
     async def on_idle_timeout(self) -> bytes | None:
         if self.finished or self.settled:
@@ -153,8 +192,25 @@ class ResponseMeter:
         self._finish("idle_timeout")
         return tail
 
-    async def _forward(self, events: list[SseEvent]) -> bytes:
-        """Forward the events the lease covers; cut the stream off at the first that isn't."""
+    async def on_shutdown(self) -> bytes | None:
+        """The processor's shutdown grace is over: end the client's stream cleanly, settle.
+
+        None when nothing may be sent: the stream already ended, or no response headers yet
+        (a body can't go before them; the caller settles such a request itself).
+        """
+        if self.finished or self.settled or not self.started:
+            return None
+        log.warning("stream_shutdown", request_id=self._rid, delivered=self.delivered)
+        tail = self._closing_bytes("shutdown") if self.mode == "sse" else b""
+        self._finish("shutdown")
+        return tail
+
+    async def _forward(self, events: list[SseEvent]) -> bytes | None:
+        """Forward the events the lease covers; cut the stream off at the first that isn't.
+
+        None: the stream was ended by someone else (the idle watchdog) during the wait for
+        a lease, so nothing more may go out.
+        """
         if not events:
             return b""
         self.metrics.events_total += len(events)
@@ -166,11 +222,16 @@ class ResponseMeter:
         if need > self.leased and self.incremental:
             self.metrics.events_waited_total += len(events)
             await self._cover(need)
+            if self.finished:
+                return None
         out = bytearray()
         for event, cost in zip(events, costs, strict=True):
             if cost < 0:  # an event withheld from the client (the forced usage chunk)
                 continue
             if self.incremental and self.delivered + cost > self.leased:
+                # The cut-off decides the bill (what was delivered), not a usage chunk
+                # parsed from the same message that the client will never see.
+                self.final_usage = None
                 out += self._closing_bytes(self.exhausted_code)
                 self.metrics.cutoffs_total += 1
                 self._finish("cutoff")
@@ -196,13 +257,12 @@ class ResponseMeter:
         usage = chunk.get("usage")
         if not choices:
             if isinstance(usage, dict):
-                self.upstream_usage = usage
+                self.final_usage = answer.usage_counts(usage)
                 return 0 if self.admitted.request.client_wants_usage else -1
             return 0
         self._last_chunk = chunk
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             # vLLM continuous_usage_stats: the upstream's own running count.
-            self.upstream_usage = usage
             return self._advance(usage["completion_tokens"])
         if not isinstance(choices, list):
             return 0
@@ -230,29 +290,36 @@ class ResponseMeter:
     # -- leases ----------------------------------------------------------------------------
 
     def _lease_ahead(self) -> None:
-        """Reserve the next batch in the background as soon as the current one is in use.
+        """Reserve in the background what ``extproc.billing.lease.next_lease`` says is due.
 
-        Holding up to two batches keeps events from waiting on Redis even when the processor
-        runs behind under load; it costs no extra round trips (one lease per batch of output
-        either way) and partial grants keep a nearly spent budget usable to the last token.
+        One batch in hand before the first token (admission's share topped up on the first
+        event), the next batch once the current one is half used: at most one batch ahead,
+        one lease per batch of output. Partial grants keep a nearly spent budget usable to
+        the last token; after one, ``_cover`` leases only when an event needs the tokens.
         """
-        if (
-            self.lease_task is None
-            and not self.exhausted
-            and self.leased < self.max_output
-            and self.leased - self.delivered <= self.batch
-        ):
-            amount = min(self.batch, self.max_output - self.leased)
-            self.lease_task = asyncio.get_running_loop().create_task(self._lease(amount, 1))
+        if self.lease_task is None and not self.exhausted and not self.refusals:
+            amount = next_lease(self.leased, self.delivered, self.batch, self.max_output)
+            if amount > 0:
+                amount = fair_share(amount, self._room_left())
+                self.lease_task = asyncio.get_running_loop().create_task(self._lease(amount, 1))
 
     async def _cover(self, need: int) -> None:
         while need > self.leased and not self.exhausted:
             if self.lease_task is not None:
                 await asyncio.shield(self.lease_task)
                 continue
-            shortfall = need - self.leased
-            amount = max(shortfall, min(self.batch, self.max_output - self.leased))
+            if self.retry_due:
+                # Refused while other requests of the tenant hold reservations: what they
+                # don't use comes back when they settle, so ask again shortly.
+                await asyncio.sleep(REFUND_RETRY_S)
+            amount = cover_lease(self.leased, need, self.batch, self.max_output)
+            amount = max(need - self.leased, fair_share(amount, self._room_left()))
             self.lease_task = asyncio.get_running_loop().create_task(self._lease(amount, 1))
+
+    def _room_left(self) -> int | None:
+        """Tokens the tightest token counter had left at this request's last charge."""
+        rooms = [s.remaining for s in self.states if s.kind in TOKEN_KINDS]
+        return min(rooms) if rooms else None
 
     async def _lease(self, amount: int, minimum: int) -> None:
         self.seq += 1
@@ -268,10 +335,22 @@ class ResponseMeter:
             )
         except Exception as exc:  # fail closed: no tokens without a charge
             log.error("lease_failed", request_id=self._rid, error=repr(exc))
-            grant = Grant(0)
+            # The backend failed, not the budget: the client is told so, not "limit reached".
+            self.exhausted_code = "quota_unavailable"
+            self.metrics.lease_failures_total += 1
+            self.exhausted = True
+            self.lease_task = None
+            return
+        self.retry_due = False
         if grant.granted > 0:
             self.leased += grant.granted
             self.states = grant.states or self.states
+        elif grant.others_open > 0 and self.refusals < self._refusal_retries:
+            # A budget full of others' unused leases is not used up: ask again for up to
+            # refund_wait_ms; refused with nobody else open, the stream is cut at once.
+            self.refusals += 1
+            self.retry_due = True
+            self.metrics.lease_retries_total += 1
         else:
             self.exhausted = True
             self.metrics.lease_refusals_total += 1
@@ -296,6 +375,10 @@ class ResponseMeter:
             "daily_budget_exceeded": "Daily token budget reached: the stream was ended.",
             "timeout": "The upstream stopped sending: the stream was ended by the gateway.",
             "upstream_error": "The upstream sent an event stream the gateway cannot read.",
+            "quota_unavailable": "The quota service is unavailable: the stream was ended by "
+            "the gateway. Please retry.",
+            "shutdown": "The gateway is restarting: the stream was ended before the answer "
+            "was complete. Please retry.",
         }
         error_type = "rate_limit_error" if code.endswith("_exceeded") else "api_error"
         error = {"error": {"message": messages[code], "type": error_type, "code": code}}
@@ -333,34 +416,43 @@ class ResponseMeter:
 
     def _complete(self) -> None:
         self.completed = True
-        if self._json is not None:
-            self.upstream_usage = self._json.finish()
         self.runtime.spawn(self.settle("completed"))
 
     # -- settlement ------------------------------------------------------------------------
 
     def used_tokens(self) -> int:
-        """What this request really cost: the figure committed at settlement."""
+        """What this request really cost: the figure committed at settlement.
+
+        Never the prompt alone for an answer that may hold output: what can't be read keeps
+        the reservation (or ``max_tokens`` where only that bounds the output).
+        """
         prompt = self.admitted.prompt_tokens
         if self.mode == "upstream_error":
             return prompt  # no output was produced; the RPM attempt stays charged
-        usage = self.upstream_usage
-        if self.completed and not self.finished and isinstance(usage, dict):
-            completion = usage.get("completion_tokens")
-            upstream_prompt = usage.get("prompt_tokens")
-            if isinstance(completion, int) and isinstance(upstream_prompt, int):
-                if self.mode == "sse" and self._disagrees(completion):
-                    self.metrics.usage_disagreements_total += 1
-                    log.warning(
-                        "usage_disagreement",
-                        request_id=self._rid,
-                        upstream=completion,
-                        counted=self.delivered,
-                    )
-                return upstream_prompt + completion
-        if self.mode == "json" and not self.completed:
-            return prompt + self.max_output  # a JSON body can't be measured when cut short
+        if self.mode == "unreadable":
+            return prompt + max(self.leased, self.delivered)
+        if self.mode == "json":
+            return self._json_used(prompt)
+        if self.final_usage is not None:
+            if self._disagrees(self.final_usage[1]):
+                self.metrics.usage_disagreements_total += 1
+                log.warning(
+                    "usage_disagreement",
+                    request_id=self._rid,
+                    upstream=self.final_usage[1],
+                    counted=self.delivered,
+                )
+            return sum(answer.billed(prompt, self.delivered, self.final_usage))
         return prompt + self.delivered
+
+    def _json_used(self, prompt: int) -> int:
+        body = self._json.body() if self._json is not None and self.completed else None
+        read = None if body is None else answer.read_answer(body, self.admitted.tokenizer)
+        if read is None:
+            # Cut short, unreadable or over the size limit: only max_tokens bounds it.
+            return prompt + self.max_output
+        counted, usage = read
+        return sum(answer.billed(prompt, counted, usage))
 
     def _disagrees(self, upstream: int) -> bool:
         return abs(upstream - self.delivered) > max(2, USAGE_TOLERANCE * upstream)
@@ -376,16 +468,17 @@ class ResponseMeter:
         if not counters:
             return
         used = self.used_tokens()
-        for attempt in range(SETTLE_ATTEMPTS):
-            try:
-                self.metrics.quota_round_trips_total += 1
-                await self.runtime.backend.settle(self.admitted.reservation_key, counters, used)
-                return
-            except Exception as exc:
-                log.warning("settle_retry", request_id=self._rid, attempt=attempt, error=repr(exc))
-                await asyncio.sleep(0.05 * (attempt + 1))
-        self.metrics.settle_errors_total += 1
-        log.error("settle_failed", request_id=self._rid, used=used, reason=reason)
+        self.metrics.quota_round_trips_total += 1
+        try:
+            # A Redis backend (wrapped by the factory in ``ResilientQuotaBackend``) keeps
+            # what it cannot apply now in its queue and applies it when Redis returns, so
+            # the settlement is not retried here; memory:// cannot fail.
+            await self.runtime.backend.settle(self.admitted.reservation_key, counters, used)
+        except Exception as exc:
+            self.metrics.settle_errors_total += 1
+            log.error(
+                "settle_failed", request_id=self._rid, used=used, reason=reason, error=repr(exc)
+            )
 
     @property
     def _rid(self) -> str:

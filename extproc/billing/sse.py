@@ -400,12 +400,16 @@ class JsonBodyCollector:
         if chunk:
             self._chunks.append(bytes(chunk))
 
+    def body(self) -> bytes | None:
+        """The whole body, or None when it went over the limit."""
+        return None if self.overflowed else b"".join(self._chunks)
+
     def finish(self) -> dict[str, Any] | None:
         """The body's ``usage`` object, or None when absent or unreadable."""
-        if self.overflowed:
-            return None
-        body = b"".join(self._chunks)
+        body = self.body()
         self._chunks.clear()
+        if body is None:
+            return None
         try:
             value = orjson.loads(body)
         except orjson.JSONDecodeError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import orjson
 import yaml
 
 from extproc.config.schema import (
+    CircuitBreakerSpec,
     Config,
     ConfigError,
     LimitSpec,
@@ -28,14 +30,22 @@ _TOP_KEYS = {
     "max_body_bytes",
     "rpm_counts",
     "shutdown_grace_s",
+    "drain_delay_s",
     "stream_idle_timeout_s",
+    "quota_timeout_ms",
+    "refund_wait_ms",
     "image_tokens",
     "default_model",
     "tokenizers",
     "models",
     "plans",
     "tenants",
+    "circuit_breaker",
+    "settle_queue_max",
+    "heartbeat_ttl_s",
+    "orphan_sweep_s",
 }
+_BREAKER_KEYS = {"failures", "probe_interval_ms"}
 _PLAN_KEYS = {
     "limits",
     "window_s",
@@ -44,10 +54,22 @@ _PLAN_KEYS = {
     "charge_mode",
     "batch_tokens",
     "on_exhaustion",
+    "on_backend_failure",
+    "fail_open_fraction",
 }
 _OVERRIDE_KEYS = _PLAN_KEYS - {"window_s"}
 _LIMIT_KEYS = {"rpm", "tpm", "batch_tokens"}
-_MODEL_KEYS = {"aliases", "tokenizer", "max_tokens", "default_max_tokens"}
+_MODEL_KEYS = {
+    "aliases",
+    "tokenizer",
+    "max_tokens",
+    "default_max_tokens",
+    "upstream_name",
+    "upstream_api_key_env",
+    "upstream_api_key_file",
+    "continuous_usage",
+    "reserve_max",
+}
 _TENANT_KEYS = {"plan", "key_sha256", "overrides"}
 
 
@@ -74,6 +96,32 @@ def _int(value: Any, path: str, *, minimum: int = 1, optional: bool = False) -> 
 def _number(value: Any, path: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise ConfigError(path, f"must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _non_negative(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
+        raise ConfigError(path, f"must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _fraction(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ConfigError(path, f"must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _breaker(doc: Any) -> CircuitBreakerSpec:
+    doc = _mapping({} if doc is None else doc, "circuit_breaker")
+    _known(doc, _BREAKER_KEYS, "circuit_breaker")
+    failures = _int(doc.get("failures", 5), "circuit_breaker.failures")
+    interval = _int(doc.get("probe_interval_ms", 500), "circuit_breaker.probe_interval_ms")
+    return CircuitBreakerSpec(failures=failures, probe_interval_s=interval / 1000)  # type: ignore[arg-type, operator]
+
+
+def _seconds(value: Any, path: str, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise ConfigError(path, f"must be seconds in [{low:g}, {high:g}], got {value!r}")
     return float(value)
 
 
@@ -132,6 +180,10 @@ def _plan(name: str, doc: Any, path: str, base: PlanSpec | None = None) -> PlanS
         on_exhaustion=_choice(  # type: ignore[arg-type]
             pick("on_exhaustion", "error"), f"{path}.on_exhaustion", ("error", "truncate")
         ),
+        on_backend_failure=_choice(  # type: ignore[arg-type]
+            pick("on_backend_failure", "closed"), f"{path}.on_backend_failure", ("closed", "open")
+        ),
+        fail_open_fraction=_fraction(pick("fail_open_fraction", 0.1), f"{path}.fail_open_fraction"),
     )
 
 
@@ -150,13 +202,53 @@ def _model(name: str, doc: Any, path: str) -> ModelSpec:
             f"{path}.default_max_tokens", f"must not exceed max_tokens ({max_tokens})"
         )
     tokenizer = doc.get("tokenizer")
+    upstream_name = doc.get("upstream_name")
     return ModelSpec(
         name=name,
         aliases=tuple(_str(a, f"{path}.aliases[{i}]") for i, a in enumerate(aliases)),
         tokenizer=None if tokenizer is None else _str(tokenizer, f"{path}.tokenizer"),
         max_tokens=max_tokens,  # type: ignore[arg-type]
         default_max_tokens=default_max,  # type: ignore[arg-type]
+        upstream_name="" if upstream_name is None else _str(upstream_name, f"{path}.upstream_name"),
+        continuous_usage=_bool(doc.get("continuous_usage", False), f"{path}.continuous_usage"),
+        reserve_max=_bool(doc.get("reserve_max", False), f"{path}.reserve_max"),
+        upstream_authorization=_upstream_credential(doc, path),
     )
+
+
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(path, "must be true or false")
+    return value
+
+
+def _upstream_credential(doc: dict[str, Any], path: str) -> str | None:
+    """The upstream's API key as an Authorization value; secrets never live in the YAML."""
+    env, file = doc.get("upstream_api_key_env"), doc.get("upstream_api_key_file")
+    if env is not None and file is not None:
+        raise ConfigError(path, "set upstream_api_key_env or upstream_api_key_file, not both")
+    if env is not None:
+        name = _str(env, f"{path}.upstream_api_key_env")
+        secret = os.environ.get(name, "")
+        if not secret:
+            raise ConfigError(
+                f"{path}.upstream_api_key_env", f"environment variable {name} is unset or empty"
+            )
+    elif file is not None:
+        where = _str(file, f"{path}.upstream_api_key_file")
+        try:
+            secret = Path(where).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"{path}.upstream_api_key_file", f"cannot read: {exc.strerror}"
+            ) from exc
+        if not secret:
+            raise ConfigError(f"{path}.upstream_api_key_file", "the file is empty")
+    else:
+        return None
+    if any(c in secret for c in "\r\n\0"):
+        raise ConfigError(path, "the upstream API key holds a line break or NUL")
+    return f"Bearer {secret}"
 
 
 def _tenant(tenant_id: str, doc: Any, path: str, plans: dict[str, PlanSpec]) -> TenantSpec:
@@ -240,16 +332,28 @@ def parse_config(doc: Any) -> Config:
         rpm_counts=_choice(
             doc.get("rpm_counts", "attempts"), "rpm_counts", ("attempts", "admitted")
         ),  # type: ignore[arg-type]
-        shutdown_grace_s=_number(doc.get("shutdown_grace_s", 10), "shutdown_grace_s"),
+        # A 4096-token answer (the default max_tokens limit) at a loaded server's 15-30
+        # tokens/s takes 2.5-4.5 minutes: five minutes lets nearly every stream finish.
+        shutdown_grace_s=_number(doc.get("shutdown_grace_s", 300), "shutdown_grace_s"),
+        # Envoy's processor health check (1 s interval, 2 failures) plus one interval for
+        # the check in flight: new streams keep coming until Envoy has seen NOT_SERVING.
+        drain_delay_s=_non_negative(doc.get("drain_delay_s", 3), "drain_delay_s"),
         stream_idle_timeout_s=_number(
             doc.get("stream_idle_timeout_s", 60), "stream_idle_timeout_s"
         ),
+        quota_timeout_s=_int(doc.get("quota_timeout_ms", 1000), "quota_timeout_ms") / 1000,  # type: ignore[operator]
+        refund_wait_s=_int(doc.get("refund_wait_ms", 1000), "refund_wait_ms", minimum=0) / 1000,  # type: ignore[operator]
         image_tokens=_int(doc.get("image_tokens", 765), "image_tokens", minimum=0),  # type: ignore[arg-type]
         default_model=default_model,
         tokenizers=tokenizers,
         models=models,
         plans=plans,
         tenants=tenants,
+        circuit_breaker=_breaker(doc.get("circuit_breaker")),
+        settle_queue_max=_int(doc.get("settle_queue_max", 100_000), "settle_queue_max"),  # type: ignore[arg-type]
+        # At most a record's hour: a longer one would outlive what it protects.
+        heartbeat_ttl_s=_seconds(doc.get("heartbeat_ttl_s", 30), "heartbeat_ttl_s", 1, 3600),
+        orphan_sweep_s=_seconds(doc.get("orphan_sweep_s", 10), "orphan_sweep_s", 0.1, 3600),
         model_index=index,
     )
     normalised = _normalise(config)
@@ -277,6 +381,8 @@ def _normalise(config: Config) -> dict[str, Any]:
             "charge_mode": p.charge_mode,
             "batch_tokens": p.batch_tokens,
             "on_exhaustion": p.on_exhaustion,
+            "on_backend_failure": p.on_backend_failure,
+            "fail_open_fraction": p.fail_open_fraction,
         }
 
     return {
@@ -286,16 +392,31 @@ def _normalise(config: Config) -> dict[str, Any]:
         "max_body_bytes": config.max_body_bytes,
         "rpm_counts": config.rpm_counts,
         "shutdown_grace_s": config.shutdown_grace_s,
+        "drain_delay_s": config.drain_delay_s,
         "stream_idle_timeout_s": config.stream_idle_timeout_s,
+        "quota_timeout_ms": round(config.quota_timeout_s * 1000),
+        "refund_wait_ms": round(config.refund_wait_s * 1000),
         "image_tokens": config.image_tokens,
         "default_model": config.default_model,
         "tokenizers": list(config.tokenizers) if config.tokenizers is not None else None,
+        "circuit_breaker": {
+            "failures": config.circuit_breaker.failures,
+            "probe_interval_ms": round(config.circuit_breaker.probe_interval_s * 1000),
+        },
+        "settle_queue_max": config.settle_queue_max,
+        "heartbeat_ttl_s": config.heartbeat_ttl_s,
+        "orphan_sweep_s": config.orphan_sweep_s,
         "models": {
             m.name: {
                 "aliases": sorted(m.aliases),
                 "tokenizer": m.tokenizer,
                 "max_tokens": m.max_tokens,
                 "default_max_tokens": m.default_max_tokens,
+                "upstream_name": m.served_name,
+                "continuous_usage": m.continuous_usage,
+                "reserve_max": m.reserve_max,
+                # Only whether a credential is set: the secret never reaches logs or hashes.
+                "upstream_credential": m.upstream_authorization is not None,
             }
             for m in sorted(config.models.values(), key=lambda m: m.name)
         },

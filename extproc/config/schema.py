@@ -12,6 +12,7 @@ from typing import Literal
 ChargeMode = Literal["incremental", "reserve_max"]
 OnExhaustion = Literal["error", "truncate"]
 RpmCounts = Literal["attempts", "admitted"]
+OnBackendFailure = Literal["closed", "open"]
 
 
 class ConfigError(ValueError):
@@ -41,6 +42,11 @@ class PlanSpec:
     charge_mode: ChargeMode = "incremental"
     batch_tokens: int = 32
     on_exhaustion: OnExhaustion = "error"
+    # When the quota backend is unavailable: ``closed`` answers 503 ``quota_unavailable``;
+    # ``open`` serves from a local allowance of ``fail_open_fraction`` × each limit per
+    # processor, reconciled into the backend when it returns.
+    on_backend_failure: OnBackendFailure = "closed"
+    fail_open_fraction: float = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +63,28 @@ class ModelSpec:
     tokenizer: str | None = None  # None: chosen by the tokenizer registry from the name
     max_tokens: int = 4096  # server limit on output tokens
     default_max_tokens: int = 1024  # when the client sends none
+    upstream_name: str = ""  # the name the upstream serves it under ("" = ``name``)
+    # The upstream reports a running usage per chunk (vLLM ``continuous_usage_stats``):
+    # forced on, and the lease follows the upstream's count, hidden tokens included.
+    continuous_usage: bool = False
+    # Output can exceed the visible text (hidden reasoning) and there is no running usage:
+    # admission reserves ``max_tokens`` whatever the plan's charge mode.
+    reserve_max: bool = False
+    # ``Bearer <secret>`` read from the environment or a file at load time, never from YAML.
+    upstream_authorization: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def served_name(self) -> str:
+        return self.upstream_name or self.name
+
+
+@dataclass(frozen=True, slots=True)
+class CircuitBreakerSpec:
+    """After ``failures`` consecutive failed backend calls, calls stop reaching the backend;
+    one probe every ``probe_interval_s`` closes the breaker again when it succeeds."""
+
+    failures: int = 5
+    probe_interval_s: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +95,25 @@ class Config:
     max_body_bytes: int
     rpm_counts: RpmCounts
     shutdown_grace_s: float
+    drain_delay_s: float  # SIGTERM → NOT_SERVING, new streams still taken for this long
     stream_idle_timeout_s: float
+    quota_timeout_s: float
+    # A refusal while other requests of the tenant hold leases is asked again for this long
+    # (their unused leases come back when they settle); 0: refuse at once.
+    refund_wait_s: float
     image_tokens: int
     default_model: str | None
     tokenizers: tuple[dict[str, str], ...] | None
     models: dict[str, ModelSpec]
     plans: dict[str, PlanSpec]
     tenants: dict[str, TenantSpec]
+    circuit_breaker: CircuitBreakerSpec = field(default_factory=CircuitBreakerSpec)
+    # Settlements, cancels and fail-open reconciliations waiting for the backend to return.
+    settle_queue_max: int = 100_000
+    # A processor whose heartbeat is this old is dead: peers settle its open reservations
+    # (extproc.quota.orphans); each processor looks for dead peers every orphan_sweep_s.
+    heartbeat_ttl_s: float = 30.0
+    orphan_sweep_s: float = 10.0
     # Every model name and alias -> its quota model, built once by the loader.
     model_index: dict[str, ModelSpec] = field(repr=False, default_factory=dict)
     # Normalised document and its sha256: logged at start so diverging replicas show.

@@ -42,9 +42,7 @@ class ModelTokenizer:
     # The BPE streaming counter's version of the same memo: a delta that starts a new
     # pre-tokenizer piece -> (its token count, the characters that would start the next
     # piece right after it). One dict hit is all its fast path does.
-    piece_deltas: dict[str, tuple[int, frozenset[str]]] = field(
-        default_factory=dict, repr=False
-    )
+    piece_deltas: dict[str, tuple[int, frozenset[str]]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:

@@ -151,9 +151,7 @@ def _count_chat(
             raise MalformedRequest(f"messages[{i}] must be an object, got {_type_name(message)}")
         role = message.get("role")
         if role not in ROLES:
-            raise MalformedRequest(
-                f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}"
-            )
+            raise MalformedRequest(f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}")
         tally.add(role)
         content = message.get("content")
         if isinstance(content, str):

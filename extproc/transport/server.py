@@ -1,4 +1,11 @@
-"""The processor's gRPC server: ext_proc + standard health, graceful stop on SIGTERM."""
+"""The processor's gRPC server: ext_proc + standard health, graceful stop on SIGTERM.
+
+Stop order: NOT_SERVING first, while new streams are still taken (``drain_delay_s``, until
+Envoy's health checks have seen it: Envoy sends no new stream to a processor refusing them);
+then no new streams, and the open ones may finish (``shutdown_grace_s``); then each one
+still open is ended cleanly by the meter (an error event with code ``shutdown``, ``[DONE]``)
+and settled as ``shutdown``; then the server stops.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +25,9 @@ from extproc.transport.service import ExternalProcessorService
 
 log = structlog.get_logger("extproc.server")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+# Once the grace is over: how long Envoy may take to close the streams the meter just ended
+# (milliseconds, normally), and the pending settlements to finish.
+END_WAIT_S = 5.0
 
 
 async def _metrics_app(runtime: Runtime, listen: str) -> web.AppRunner:
@@ -52,7 +62,8 @@ async def serve(config: Config, metrics_listen: str | None = None) -> None:
             ("grpc.max_send_message_length", 16 << 20),
         ]
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorService(runtime), server)
+    service = ExternalProcessorService(runtime)
+    pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(config.listen)
@@ -77,13 +88,30 @@ async def serve(config: Config, metrics_listen: str | None = None) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
 
-    # Stop accepting, let in-flight streams finish up to the grace period, then settle the rest.
-    log.info("shutting_down", open_streams=len(runtime.open_sessions))
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(config.shutdown_grace_s)
-    await runtime.drain(timeout_s=5.0)
+    # 1. NOT_SERVING, new streams still taken until Envoy's health checks have seen it.
+    log.info("shutting_down", open_streams=len(service.streams), drain_delay_s=config.drain_delay_s)
+    await health_servicer.enter_graceful_shutdown()
+    if config.drain_delay_s > 0:
+        await asyncio.sleep(config.drain_delay_s)
+    # 2. No new streams (GOAWAY; a stream Envoy opens anyway is refused and retried on
+    # another processor); the open ones may finish.
+    grace = config.shutdown_grace_s
+    log.info("draining", open_streams=len(service.streams), grace_s=grace)
+    stopping = asyncio.create_task(server.stop(grace + END_WAIT_S))
+    if not await service.wait_closed(grace):
+        # 3. Grace over: a cancelled stream would reset the client's connection mid-body, so
+        # each still open ends with the meter's closing event and is settled as `shutdown`.
+        ended = await service.end_open_streams()
+        log.warning("grace_over", ended=ended, open_streams=len(service.streams))
+        await service.wait_closed(END_WAIT_S)
+    # 4. Admitted requests with nothing sent yet are settled as `shutdown` too; then stop.
+    await runtime.drain(timeout_s=END_WAIT_S)
+    await server.stop(None)
+    await stopping
+    await runtime.drain(timeout_s=END_WAIT_S)
     if metrics_runner is not None:
         await metrics_runner.cleanup()
     await runtime.close()
-    log.info("stopped", settled=dict(runtime.metrics.settled))
+    log.info(
+        "stopped", admitted=runtime.metrics.admitted_total, settled=dict(runtime.metrics.settled)
+    )

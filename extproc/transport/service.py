@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 import structlog
@@ -11,17 +12,52 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.runtime import Runtime
 from extproc.session import Session
+from extproc.transport import messages as msg
 
 log = structlog.get_logger("extproc.service")
+
+
+class _Stream:
+    """One open stream's writer: its loop, the idle watchdog and shutdown all write here."""
+
+    __slots__ = ("context", "ended", "writing")
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self.context = context
+        # The watchdog writes too: one writer at a time, and nothing after the stream ended.
+        self.writing = asyncio.Lock()
+        self.ended = False  # ended from outside the loop (idle watchdog, shutdown)
+
+    async def write(self, response: msg.ProcessingResponse) -> None:
+        async with self.writing:
+            if not self.ended:
+                await self.context.write(response)
+
+    async def end(self, closing: Callable[[], Awaitable[msg.ProcessingResponse | None]]) -> bool:
+        """Write the closing message ``closing`` makes (None: nothing to end), then no more."""
+        async with self.writing:
+            if self.ended:
+                return False
+            response = await closing()
+            if response is None:
+                return False
+            self.ended = True
+            await self.context.write(response)
+            return True
 
 
 class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        self.streams: dict[Session, _Stream] = {}
+        self._all_closed = asyncio.Event()
+        self._all_closed.set()
 
     async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         session = Session(self.runtime)
         watchdog: asyncio.Task[None] | None = None
+        stream = self.streams[session] = _Stream(context)
+        self._all_closed.clear()
         reason = "end_of_stream"
         try:
             while True:
@@ -29,11 +65,17 @@ class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
                 if request is grpc.aio.EOF:
                     break
                 session.last_activity = time.monotonic()
+                session.busy = True
+                if request.HasField("response_trailers"):
+                    tail = await session.on_trailers()
+                    if tail is not None:
+                        await stream.write(tail)
                 response = await session.handle(request)
                 if response is not None:
-                    await context.write(response)
+                    await stream.write(response)
+                session.busy = False
                 if watchdog is None and session.meter is not None and session.meter.started:
-                    watchdog = asyncio.create_task(self._watch(session, context))
+                    watchdog = asyncio.create_task(self._watch(session, stream))
                 if session.finished:
                     break
         except asyncio.CancelledError:
@@ -47,16 +89,47 @@ class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
         finally:
             if watchdog is not None:
                 watchdog.cancel()
+            del self.streams[session]
+            if not self.streams:
+                self._all_closed.set()
             # Shielded from this task's cancellation: a charge is never lost.
             self.runtime.spawn(session.close(reason))
 
-    async def _watch(self, session: Session, context: grpc.aio.ServicerContext) -> None:
+    async def _watch(self, session: Session, stream: _Stream) -> None:
         """FDX has no per-chunk timer: end a stream whose upstream went quiet, and settle."""
         idle = self.runtime.config.stream_idle_timeout_s
         while not session.finished:
             await asyncio.sleep(max(0.05, session.last_activity + idle - time.monotonic()))
-            if time.monotonic() - session.last_activity >= idle and not session.finished:
-                response = await session.on_idle_timeout()
-                if response is not None:
-                    await context.write(response)
+            # A message being handled (waiting for a lease, say) is not an idle upstream.
+            if session.busy or session.finished:
+                continue
+            if time.monotonic() - session.last_activity >= idle:
+                await stream.end(session.on_idle_timeout)
                 return
+
+    async def end_open_streams(self) -> int:
+        """Shutdown grace over: end every open stream as the idle watchdog would, with the
+        meter's closing event, ``[DONE]`` and end_of_stream, settled as ``shutdown``.
+
+        A message still being handled doesn't hold this up: the grace is over, and the
+        meter drops what that message would have sent. Returns how many were ended.
+        """
+        open_streams = list(self.streams.items())
+        ended = await asyncio.gather(
+            *(stream.end(session.on_shutdown) for session, stream in open_streams),
+            return_exceptions=True,
+        )
+        for (session, _), result in zip(open_streams, ended, strict=True):
+            if isinstance(result, BaseException):
+                log.warning(
+                    "shutdown_end_failed", request_id=session.request_id, error=repr(result)
+                )
+        return sum(result is True for result in ended)
+
+    async def wait_closed(self, timeout_s: float) -> bool:
+        """Wait until no stream is open; False if some still are after ``timeout_s``."""
+        try:
+            await asyncio.wait_for(self._all_closed.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True

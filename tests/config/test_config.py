@@ -54,6 +54,36 @@ def test_tenant_overrides_are_merged_over_the_plan() -> None:
          "models.other"),
         (lambda d: d.update(redis_url="http://x"), "redis_url"),
         (lambda d: d.update(colour="blue"), "colour"),
+        (lambda d: d.update(quota_timeout_ms=0), "quota_timeout_ms"),
+        (lambda d: d["models"]["gpt-4.1"].update(continuous_usage="yes"),
+         "models.gpt-4.1.continuous_usage"),
+        (lambda d: d["models"]["gpt-4.1"].update(reserve_max=1), "models.gpt-4.1.reserve_max"),
+        (lambda d: d["models"]["gpt-4.1"].update(upstream_name=""), "models.gpt-4.1.upstream_name"),
+        (lambda d: d["models"]["gpt-4.1"].update(upstream_api_key_env="TQ_NO_SUCH_VARIABLE"),
+         "models.gpt-4.1.upstream_api_key_env"),
+        (lambda d: d["models"]["gpt-4.1"].update(upstream_api_key_file="/nonexistent/key"),
+         "models.gpt-4.1.upstream_api_key_file"),
+        (lambda d: d["models"]["gpt-4.1"].update(upstream_api_key_env="HOME",
+                                                 upstream_api_key_file="/etc/hostname"),
+         "models.gpt-4.1"),
+        (lambda d: d["plans"]["free"].update(on_backend_failure="allow"),
+         "plans.free.on_backend_failure"),
+        (lambda d: d["plans"]["free"].update(fail_open_fraction=0),
+         "plans.free.fail_open_fraction"),
+        (lambda d: d["plans"]["free"].update(fail_open_fraction=1.5),
+         "plans.free.fail_open_fraction"),
+        (lambda d: d["plans"]["free"].update(fail_open_fraction=True),
+         "plans.free.fail_open_fraction"),
+        (lambda d: d["tenants"]["acme"].update(overrides={"on_backend_failure": "ajar"}),
+         "tenants.acme.overrides.on_backend_failure"),
+        (lambda d: d["tenants"]["acme"].update(overrides={"fail_open_fraction": "a tenth"}),
+         "tenants.acme.overrides.fail_open_fraction"),
+        (lambda d: d.update(circuit_breaker=[5]), "circuit_breaker"),
+        (lambda d: d.update(circuit_breaker={"failures": 0}), "circuit_breaker.failures"),
+        (lambda d: d.update(circuit_breaker={"probe_interval_ms": 0.5}),
+         "circuit_breaker.probe_interval_ms"),
+        (lambda d: d.update(circuit_breaker={"probes": 1}), "circuit_breaker.probes"),
+        (lambda d: d.update(settle_queue_max=0), "settle_queue_max"),
     ],
 )  # fmt: skip
 def test_invalid_config_error_names_the_wrong_field(mutate: Any, field: str) -> None:
@@ -124,3 +154,15 @@ def test_stack_models_are_all_served_by_the_stacks_simulator_profile() -> None:
     config = parse_config(base_doc())
     names = {name for m in config.models.values() for name in (m.name, *m.aliases)}
     assert names <= served, names - served
+
+
+def test_an_upstream_key_is_read_from_its_file_and_never_shown(tmp_path: Path) -> None:
+    secret = "sk-upstream-very-secret"
+    (tmp_path / "key").write_text(secret + "\n")
+    doc = base_doc()
+    doc["models"]["gpt-4.1"]["upstream_api_key_file"] = str(tmp_path / "key")
+    config = parse_config(doc)
+    assert config.models["gpt-4.1"].upstream_authorization == f"Bearer {secret}"
+    assert secret not in orjson.dumps(config.normalised).decode()
+    assert secret not in repr(config.models["gpt-4.1"])
+    assert config.normalised["models"]["gpt-4.1"]["upstream_credential"] is True

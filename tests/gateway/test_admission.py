@@ -27,7 +27,6 @@ ROOMY = {
 TENANTS = {
     "roomy": ROOMY,
     "alias": ROOMY,
-    "replay": ROOMY,
     "cost": ROOMY,
     "cost2": ROOMY,
     "badinput": ROOMY,
@@ -175,15 +174,6 @@ def test_client_cost_and_identity_headers_change_nothing(
     # Charged to the key's tenant, in full: x-tenant-id and x-token-cost were ignored.
     assert plain.usage.prompt_tokens > 1
     assert counter_value(redis_client, "cost2", "tpm", "gpt-4.1") >= plain.usage.prompt_tokens
-
-
-def test_replayed_request_id_is_not_charged_twice(
-    gateway: Gateway, redis_client: redis.Redis
-) -> None:
-    c = client(gateway, "replay", default_headers={"x-request-id": "replay-req-1"})
-    chat(c, max_tokens=4)
-    chat(c, max_tokens=4)
-    assert counter_value(redis_client, "replay", "rpm", "gpt-4.1") == 1
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -105,13 +104,26 @@ def url(gw: Gateway) -> str:
     return gw.base_url + "/v1/chat/completions"
 
 
-def aborts(sim: Simulator) -> int:
+def sim_metric(sim: Simulator, name: str, label: str = "") -> int:
+    """One simulator metric summed over its series (those whose labels contain ``label``)."""
     _, text = http_get(sim.url("/metrics"))
     total = 0
     for line in text.splitlines():
-        if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line:
+        if line.startswith(name + "{") and label in line:
             total += int(float(line.rsplit(" ", 1)[1]))
     return total
+
+
+def aborts(sim: Simulator) -> int:
+    return sim_metric(sim, "vllm:request_success_total", 'finished_reason="abort"')
+
+
+def running(sim: Simulator) -> int:
+    return sim_metric(sim, "vllm:num_requests_running")
+
+
+def generated(sim: Simulator) -> int:
+    return sim_metric(sim, "vllm:generation_tokens_total")
 
 
 def test_within_budget_the_client_gets_the_models_stream_minus_the_forced_usage_chunk(
@@ -197,14 +209,19 @@ def test_openai_sdk_raises_api_error_with_the_gateway_message_on_cut_off(
 
 
 def test_cut_off_stops_the_model_generating(gateway: Gateway, slow_simulator: Simulator) -> None:
-    before = aborts(slow_simulator)
+    assert wait_until(lambda: running(slow_simulator) == 0)  # earlier tests' streams are over
+    before, tokens_before = aborts(slow_simulator), generated(slow_simulator)
     request = payload(max_tokens=3000, ignore_eos=True)
     result = asyncio.run(stream_http1(url(gateway), tenant_key("cut_abort"), request))
-    cut_at = time.monotonic()
     assert result.error is not None
-    assert wait_until(lambda: aborts(slow_simulator) == before + 1, timeout_s=5, interval_s=0.002)
-    # Generous bound for a loaded CI machine; benchmarks/ measures the real figure.
-    assert time.monotonic() - cut_at < 1.0
+    # The model stops: its request ends as an abort, long before the 3000 tokens (12 s at
+    # 4 ms a token) it was asked for. What it generated past the cut is what it produced
+    # while the cut travelled to it, bounded by a multiple of what the client was sent;
+    # benchmarks/ measures the real delay.
+    assert wait_until(lambda: running(slow_simulator) == 0, timeout_s=10)
+    assert aborts(slow_simulator) == before + 1
+    produced = generated(slow_simulator) - tokens_before
+    assert result.output_tokens() <= produced <= 4 * result.output_tokens(), produced
 
 
 def test_completions_stream_is_cut_at_the_budget_too(
@@ -255,9 +272,11 @@ def test_truncate_mode_ends_with_a_length_stop_instead_of_an_error(
 
 
 def test_client_disconnect_mid_stream_bills_what_was_delivered(
-    gateway: Gateway, redis_client: redis.Redis
+    gateway: Gateway, redis_client: redis.Redis, slow_simulator: Simulator
 ) -> None:
     request = payload(max_tokens=2000, ignore_eos=True)
+    assert wait_until(lambda: running(slow_simulator) == 0)  # earlier tests' streams are over
+    tokens_before = generated(slow_simulator)
 
     async def read_then_leave() -> str:
         text = bytearray()
@@ -281,14 +300,21 @@ def test_client_disconnect_mid_stream_bills_what_was_delivered(
     got = StreamResult(200, {}, received.encode(), False, parse_events(received.encode()))
     read_tokens = got.output_tokens()
     prompt = prompt_tokens(request)
+    # The disconnect stops the model; what it generated bounds what can have been delivered.
+    assert wait_until(lambda: running(slow_simulator) == 0, timeout_s=10)
+    produced = generated(slow_simulator) - tokens_before
+    assert produced < 2000
 
-    def settled() -> bool:
-        charged = counter_value(redis_client, "disconnect", "tpm", "gpt-4.1")
-        # Tokens already forwarded but still in socket buffers when the client left are
-        # delivered too; with a 4 ms inter-token gap only a few can be in flight.
-        return prompt + read_tokens <= charged <= prompt + read_tokens + 5
-
-    assert wait_until(settled, timeout_s=5)
+    # The tenant's one request; its record is keyed by the processor's own id.
+    (record,) = redis_client.scan_iter(match="tq:{disconnect}:r:*")
+    assert wait_until(lambda: redis_client.hget(record, "st") is not None)
+    summary = redis_client.hget(record, "st").split(",")
+    reserved, billed, refunded = (int(x) for x in summary[:3])
+    # Tokens forwarded but still in Envoy's or the sockets' buffers when the client left
+    # were delivered too, so the bill may exceed what was read, never what the model made.
+    assert prompt + read_tokens <= billed <= prompt + produced, (read_tokens, produced)
+    assert reserved == billed + refunded
+    assert counter_value(redis_client, "disconnect", "tpm", "gpt-4.1") == billed
 
 
 def test_upstream_error_refunds_the_output_reservation_and_keeps_the_attempt(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import time
 import urllib.error
@@ -16,7 +17,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stack.envoy import EnvoyPorts, envoy_argv, render_bootstrap
+from stack.envoy import EnvoyPorts, ProcessorHealthCheck, envoy_argv, render_bootstrap
 from tests.support.procs import ManagedProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,20 +65,36 @@ class Processor:
         log_dir: Path,
         redis_url: str | None = None,
         prefix: Sequence[str] = (),
+        port: int | None = None,
+        drain_delay_s: float | None = 0.0,
+        log_level: str = "warning",
     ) -> Processor:
-        """``prefix`` runs the processor under a launcher (e.g. ``taskset -c 0``)."""
-        port, metrics_port = free_port(), free_port()
+        """``prefix`` runs the processor under a launcher (e.g. ``taskset -c 0``).
+
+        ``port``: a given gRPC port (a restarted processor takes its predecessor's place).
+        ``drain_delay_s`` overrides the config's (None: keep it); 0 by default, so stopping a
+        test's processor doesn't wait for health checkers. ``log_level="info"`` logs the
+        final ``stopped`` record (see ``stopped_record``).
+        """
+        port, metrics_port = port or free_port(), free_port()
         argv = [
             *prefix,
             sys.executable, "-m", "extproc", "serve",
             "--config", str(config_path),
             "--listen", f"127.0.0.1:{port}",
             "--metrics-listen", f"127.0.0.1:{metrics_port}",
-            "--log-level", "warning",
+            "--log-level", log_level,
         ]  # fmt: skip
         if redis_url:
             argv += ["--redis-url", redis_url]
-        process = ManagedProcess(argv, log_dir / f"extproc-{port}.log", cwd=ROOT)
+        if drain_delay_s is not None:
+            argv += ["--drain-delay-s", str(drain_delay_s)]
+        log_path = log_dir / f"extproc-{port}.log"
+        for n in range(1, 100):
+            if not log_path.exists():
+                break
+            log_path = log_dir / f"extproc-{port}-{n}.log"  # a restart keeps the old log
+        process = ManagedProcess(argv, log_path, cwd=ROOT)
         process.wait_ready(lambda: grpc_serving(port), timeout_s=30)
         return cls(process, port, metrics_port)
 
@@ -91,6 +108,26 @@ class Processor:
 
     def stop(self) -> int:
         return self.process.stop()
+
+    def log_records(self) -> list[dict[str, Any]]:
+        """The processor's JSON log records (structlog), in order."""
+        records = []
+        for line in self.process.log_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records
+
+    def stopped_record(self) -> dict[str, Any]:
+        """The record an exited processor logs last (``log_level="info"``): its final
+        ``admitted`` and ``settled`` (by reason) counters, which /metrics can't show once the
+        process is gone."""
+        found = [r for r in self.log_records() if r.get("event") == "stopped"]
+        assert found, self.process.log_text()[-3000:]
+        return found[-1]
 
 
 @dataclass
@@ -110,11 +147,19 @@ class Envoy:
         processor_ports: list[int],
         backend_ports: list[int],
         buffer_limit_bytes: int = (1 << 20) + 65536,
+        health_check: ProcessorHealthCheck | None = None,
     ) -> Envoy:
+        """``health_check``: the processors' health check (None: the shipped one)."""
         ports = EnvoyPorts(listen=free_port(), admin=free_port())
         config_path = log_dir / f"envoy-{ports.listen}.yaml"
         config_path.write_text(
-            render_bootstrap(ports, processor_ports, backend_ports, buffer_limit_bytes)
+            render_bootstrap(
+                ports,
+                processor_ports,
+                backend_ports,
+                buffer_limit_bytes,
+                health_check or ProcessorHealthCheck(),
+            )
         )
         return cls.launch(config_path, ports, log_dir / f"envoy-{ports.listen}.log")
 
@@ -138,6 +183,26 @@ class Envoy:
 
     def stop(self) -> int:
         return self.process.stop()
+
+    def stats(self) -> dict[str, int]:
+        """Envoy's counters and gauges from the admin ``/stats`` page."""
+        _, text = http_get(f"http://127.0.0.1:{self.ports.admin}/stats")
+        out: dict[str, int] = {}
+        for line in text.splitlines():
+            name, sep, value = line.partition(": ")
+            if sep and value.strip().lstrip("-").isdigit():
+                out[name] = int(value)
+        return out
+
+    def processor_health(self, port: int) -> str:
+        """The health flags Envoy holds for one processor endpoint: ``healthy``, or e.g.
+        ``/failed_active_hc`` (failed its health check), ``/failed_outlier_check``."""
+        _, text = http_get(f"http://127.0.0.1:{self.ports.admin}/clusters")
+        marker = f"quota_extproc::127.0.0.1:{port}::health_flags::"
+        for line in text.splitlines():
+            if line.startswith(marker):
+                return line[len(marker) :]
+        return ""
 
 
 @dataclass

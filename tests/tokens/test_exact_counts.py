@@ -27,13 +27,28 @@ SAMPLES = {
 
 EXPECTED = {
     "o200k_base": {
-        "ascii": 4, "cjk": 2, "emoji": 4, "code": 11, "mixed": 10, "special_token_text": 7,
+        "ascii": 4,
+        "cjk": 2,
+        "emoji": 4,
+        "code": 11,
+        "mixed": 10,
+        "special_token_text": 7,
     },
     "cl100k_base": {
-        "ascii": 4, "cjk": 5, "emoji": 8, "code": 11, "mixed": 13, "special_token_text": 7,
+        "ascii": 4,
+        "cjk": 5,
+        "emoji": 8,
+        "code": 11,
+        "mixed": 13,
+        "special_token_text": 7,
     },
     MISTRAL: {
-        "ascii": 4, "cjk": 5, "emoji": 4, "code": 13, "mixed": 18, "special_token_text": 7,
+        "ascii": 4,
+        "cjk": 5,
+        "emoji": 4,
+        "code": 13,
+        "mixed": 18,
+        "special_token_text": 7,
     },
 }
 

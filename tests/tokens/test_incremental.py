@@ -15,22 +15,89 @@ from extproc.tokens.registry import TokenizerRegistry
 from extproc.tokens.text import clean_text
 from tests.tokens.conftest import CORPUS_PATH
 
-MODELS = {"o200k": "gpt-4o", "cl100k": "gpt-4", "sentencepiece": "mixtral-8x7b",
-          "estimator": "unknown-model"}
+MODELS = {
+    "o200k": "gpt-4o",
+    "cl100k": "gpt-4",
+    "sentencepiece": "mixtral-8x7b",
+    "estimator": "unknown-model",
+}
 
 # Characters that stress BPE and pre-tokenizer boundaries: contractions, whitespace runs
 # before newlines, digits (split in threes / singly), combining marks, ZWJ, CJK, emoji,
 # non-breaking space, ligatures and lone / paired surrogates.
 TRICKY = [
-    "a", "b", "Z", "I", "'", "s", "re", "'re", "'S", "ll", "ve", " ", "  ", "\n", "\r", "\t",
-    "\n\n", "0", "1", "9", ".", ",", "(", "}", "/", "_", "-", "é", "ж", "中", "の", "한",
-    "😀", "👍🏽", "\u0301", "\u200d", "\u00a0", "ﬁ", "\ud83d", "\ude00", "<|endoftext|>",
+    "a",
+    "b",
+    "Z",
+    "I",
+    "'",
+    "s",
+    "re",
+    "'re",
+    "'S",
+    "ll",
+    "ve",
+    " ",
+    "  ",
+    "\n",
+    "\r",
+    "\t",
+    "\n\n",
+    "0",
+    "1",
+    "9",
+    ".",
+    ",",
+    "(",
+    "}",
+    "/",
+    "_",
+    "-",
+    "é",
+    "ж",
+    "中",
+    "の",
+    "한",
+    "😀",
+    "👍🏽",
+    "\u0301",
+    "\u200d",
+    "\u00a0",
+    "ﬁ",
+    "\ud83d",
+    "\ude00",
+    "<|endoftext|>",
 ]
 # Deltas the way a model streams them (one token each): they take the counter's fast path
 # whenever the previous text ends where a new piece must start.
 TOKEN_DELTAS = [
-    " the", "The", " 429", "42", ".", ",", ":", ":\n", "\n\n", " (", ")", " '", "'s", " I",
-    "'m", " don", "'t", "   ", " ", "\t", "é", " 中文", "。", " 😀", "\ufffd", "x", "2",
+    " the",
+    "The",
+    " 429",
+    "42",
+    ".",
+    ",",
+    ":",
+    ":\n",
+    "\n\n",
+    " (",
+    ")",
+    " '",
+    "'s",
+    " I",
+    "'m",
+    " don",
+    "'t",
+    "   ",
+    " ",
+    "\t",
+    "é",
+    " 中文",
+    "。",
+    " 😀",
+    "\ufffd",
+    "x",
+    "2",
 ]
 
 text_strategy = st.one_of(
@@ -60,8 +127,9 @@ def tok(request: pytest.FixtureRequest, registry: TokenizerRegistry) -> ModelTok
     return registry.counter_for(MODELS[request.param])
 
 
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text=text_strategy, cuts=st.lists(st.integers(min_value=0, max_value=300), max_size=40))
 def test_random_splits_of_random_texts_count_like_one_shot(
     tok: ModelTokenizer, text: str, cuts: list[int]
@@ -69,8 +137,9 @@ def test_random_splits_of_random_texts_count_like_one_shot(
     assert_exact_after_every_delta(tok, chunks_of(text, cuts))
 
 
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(deltas=st.lists(st.sampled_from(TRICKY + TOKEN_DELTAS), max_size=60))
 def test_random_sequences_of_token_like_deltas_count_like_one_shot(
     tok: ModelTokenizer, deltas: list[str]

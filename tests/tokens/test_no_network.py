@@ -28,8 +28,11 @@ def test_network_guard_refuses_connections() -> None:
 
 def test_fresh_load_and_counting_work_with_network_refused(tmp_path: Path) -> None:
     # A private copy defeats the per-process load cache, so the files really load here.
-    for name in ("o200k_base.tiktoken.gz", "cl100k_base.tiktoken.gz",
-                 "mistral-7b-v0.1.sentencepiece.model"):
+    for name in (
+        "o200k_base.tiktoken.gz",
+        "cl100k_base.tiktoken.gz",
+        "mistral-7b-v0.1.sentencepiece.model",
+    ):
         shutil.copy(DATA_DIR / name, tmp_path / name)
     registry = TokenizerRegistry.from_config(None, data_dir=tmp_path)
     assert registry.load_failures == 0

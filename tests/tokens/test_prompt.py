@@ -15,18 +15,37 @@ from extproc.tokens.registry import TokenizerRegistry
 # results are 129 prompt tokens for gpt-3.5-turbo / gpt-4 and 124 for gpt-4o / gpt-4o-mini
 # (the counts the API itself reported for these messages).
 COOKBOOK_MESSAGES: list[dict[str, str]] = [
-    {"role": "system", "content": "You are a helpful, pattern-following assistant that "
-     "translates corporate jargon into plain English."},
-    {"role": "system", "name": "example_user",
-     "content": "New synergies will help drive top-line growth."},
-    {"role": "system", "name": "example_assistant",
-     "content": "Things working well together will increase revenue."},
-    {"role": "system", "name": "example_user", "content": "Let's circle back when we have "
-     "more bandwidth to touch base on opportunities for increased leverage."},
-    {"role": "system", "name": "example_assistant",
-     "content": "Let's talk later when we're less busy about how to do better."},
-    {"role": "user", "content": "This late pivot means we don't have time to boil the ocean "
-     "for the client deliverable."},
+    {
+        "role": "system",
+        "content": "You are a helpful, pattern-following assistant that "
+        "translates corporate jargon into plain English.",
+    },
+    {
+        "role": "system",
+        "name": "example_user",
+        "content": "New synergies will help drive top-line growth.",
+    },
+    {
+        "role": "system",
+        "name": "example_assistant",
+        "content": "Things working well together will increase revenue.",
+    },
+    {
+        "role": "system",
+        "name": "example_user",
+        "content": "Let's circle back when we have "
+        "more bandwidth to touch base on opportunities for increased leverage.",
+    },
+    {
+        "role": "system",
+        "name": "example_assistant",
+        "content": "Let's talk later when we're less busy about how to do better.",
+    },
+    {
+        "role": "user",
+        "content": "This late pivot means we don't have time to boil the ocean "
+        "for the client deliverable.",
+    },
 ]
 
 
@@ -62,8 +81,10 @@ def test_each_family_applies_its_own_overhead(
     assert tok.family == family
     overhead = CHAT_OVERHEAD[family]
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    expected = overhead.reply_priming + 2 * overhead.per_message + sum(
-        tok.count(m["role"]) + tok.count(m["content"]) for m in messages
+    expected = (
+        overhead.reply_priming
+        + 2 * overhead.per_message
+        + sum(tok.count(m["role"]) + tok.count(m["content"]) for m in messages)
     )
     assert count_prompt_tokens({"messages": messages}, tok) == expected
 
@@ -84,28 +105,52 @@ def test_tool_calls_tool_results_and_tool_definitions_are_counted(
     gpt4o: ModelTokenizer,
 ) -> None:
     arguments = '{"city": "Paris", "unit": "celsius"}'
-    base: dict[str, Any] = {"messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": arguments}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"},
-    ]}
+    base: dict[str, Any] = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"},
+        ]
+    }
     without_tools = count_prompt_tokens(base, gpt4o)
     expected = (
-        3 + 3 * 3
+        3
+        + 3 * 3
         + sum(gpt4o.count(r) for r in ("user", "assistant", "tool"))
-        + gpt4o.count("Weather in Paris?") + gpt4o.count("18C and sunny")
-        + 3 + gpt4o.count("get_weather") + gpt4o.count(arguments) + gpt4o.count("call_1")
+        + gpt4o.count("Weather in Paris?")
+        + gpt4o.count("18C and sunny")
+        + 3
+        + gpt4o.count("get_weather")
+        + gpt4o.count(arguments)
+        + gpt4o.count("call_1")
         + gpt4o.count("call_1")
     )
     assert without_tools == expected
-    tools = [{"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Current weather for a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     with_tools = count_prompt_tokens({**base, "tools": tools}, gpt4o)
-    rendered = ('{"name":"get_weather","description":"Current weather for a city",'
-                '"parameters":{"type":"object","properties":{"city":{"type":"string"}}}}')
+    rendered = (
+        '{"name":"get_weather","description":"Current weather for a city",'
+        '"parameters":{"type":"object","properties":{"city":{"type":"string"}}}}'
+    )
     assert with_tools == without_tools + 12 + 7 + gpt4o.count(rendered)
     legacy = count_prompt_tokens({**base, "functions": [tools[0]["function"]]}, gpt4o)
     assert legacy == with_tools
@@ -121,8 +166,11 @@ def test_completions_prompt_forms(gpt4o: ModelTokenizer) -> None:
 
 
 def test_client_declared_usage_fields_are_ignored(gpt4o: ModelTokenizer) -> None:
-    body = {"messages": [{"role": "user", "content": "Hello, world!"}],
-            "usage": {"prompt_tokens": 1}, "prompt_tokens": 1}
+    body = {
+        "messages": [{"role": "user", "content": "Hello, world!"}],
+        "usage": {"prompt_tokens": 1},
+        "prompt_tokens": 1,
+    }
     assert count_prompt_tokens(body, gpt4o) == 11
 
 
@@ -135,30 +183,64 @@ def test_client_declared_usage_fields_are_ignored(gpt4o: ModelTokenizer) -> None
         ({"messages": []}, "messages must contain at least one message"),
         ({"messages": [1]}, "messages[0] must be an object, got number"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role must be one of"),
-        ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
-                       {"role": "user", "content": "c"}, {"role": "user", "content": 5}]},
-         "messages[3].content must be a string or an array of content parts"),
-        ({"messages": [{"role": "user"}]},
-         "messages[0].content must be a string or an array of content parts"),
-        ({"messages": [{"role": "user", "content": [["nested"]]}]},
-         "messages[0].content[0] must be an object, got array"),
-        ({"messages": [{"role": "user", "content": [{"type": "video"}]}]},
-         "messages[0].content[0].type must be one of text, image_url"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
-         "messages[0].content[0].text must be a string, got number"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-         "messages[0].content[0].image_url must be an object"),
-        ({"messages": [{"role": "user", "content": "x", "name": 7}]},
-         "messages[0].name must be a string, got number"),
-        ({"messages": [{"role": "assistant", "content": None, "tool_calls": {}}]},
-         "messages[0].tool_calls must be an array"),
-        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
-          "arguments": {"a": 1}}}]}]},
-         "messages[0].tool_calls[0].function.arguments must be a string, got object"),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-         "tools[0].function must be an object"),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}},
-         "tools must be an array, got object"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "user", "content": "b"},
+                    {"role": "user", "content": "c"},
+                    {"role": "user", "content": 5},
+                ]
+            },
+            "messages[3].content must be a string or an array of content parts",
+        ),
+        (
+            {"messages": [{"role": "user"}]},
+            "messages[0].content must be a string or an array of content parts",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [["nested"]]}]},
+            "messages[0].content[0] must be an object, got array",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "video"}]}]},
+            "messages[0].content[0].type must be one of text, image_url",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+            "messages[0].content[0].text must be a string, got number",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0].image_url must be an object",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x", "name": 7}]},
+            "messages[0].name must be a string, got number",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": None, "tool_calls": {}}]},
+            "messages[0].tool_calls must be an array",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments must be a string, got object",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools[0].function must be an object",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}},
+            "tools must be an array, got object",
+        ),
         ({"prompt": 5}, "prompt must be a string, an array of strings"),
         ({"prompt": ["a", 5]}, "prompt[1] must be a string, got number"),
         ({"prompt": [1, "a"]}, "prompt[1] must be an integer token id"),
@@ -207,17 +289,21 @@ def test_one_megabyte_prompt_is_counted_like_the_tokenizer_counts_it(
 def test_limits_bound_messages_parts_and_tool_calls(gpt4o: ModelTokenizer) -> None:
     limits = Limits(max_messages=5, max_content_parts=10, max_tool_calls=2, max_prompts=3)
     with pytest.raises(MalformedRequest, match="at most 5"):
-        count_prompt_tokens({"messages": [{"role": "user", "content": "x"}] * 6}, gpt4o,
-                            limits=limits)
+        count_prompt_tokens(
+            {"messages": [{"role": "user", "content": "x"}] * 6}, gpt4o, limits=limits
+        )
     parts = [{"type": "text", "text": "x"}] * 4
     with pytest.raises(MalformedRequest, match="more than 10 content parts"):
-        count_prompt_tokens({"messages": [{"role": "user", "content": parts}] * 3}, gpt4o,
-                            limits=limits)
+        count_prompt_tokens(
+            {"messages": [{"role": "user", "content": parts}] * 3}, gpt4o, limits=limits
+        )
     call = {"id": "c", "function": {"name": "f", "arguments": "{}"}}
     with pytest.raises(MalformedRequest, match="more than 2 tool calls"):
         count_prompt_tokens(
-            {"messages": [{"role": "assistant", "tool_calls": [call, call, call]}]}, gpt4o,
-            limits=limits)
+            {"messages": [{"role": "assistant", "tool_calls": [call, call, call]}]},
+            gpt4o,
+            limits=limits,
+        )
     with pytest.raises(MalformedRequest, match="at most 3"):
         count_prompt_tokens({"prompt": ["a"] * 4}, gpt4o, limits=limits)
 
@@ -228,8 +314,10 @@ def test_deeply_nested_tool_schema_is_an_error_not_a_recursion_crash(
     schema: dict[str, Any] = {"type": "string"}
     for _ in range(5_000):
         schema = {"type": "object", "properties": {"x": schema}}
-    body = {"messages": [{"role": "user", "content": "x"}],
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+    }
     with pytest.raises(MalformedRequest, match=r"tools\[0\].function cannot be rendered"):
         count_prompt_tokens(body, gpt4o)
 

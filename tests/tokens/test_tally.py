@@ -12,8 +12,27 @@ from extproc.tokens.tally import TokenTally
 
 MODELS = ["gpt-4o", "gpt-4", "mixtral-8x7b", "unknown-model"]
 FRAGMENTS = [
-    "user", "assistant", "Hello", " world", ".", "\n", "  ", "0", "12", "'s", "{\"a\": 1}",
-    "中文", "😀", "é", "\u0301", "\t", " 0", "x ", "<|endoftext|>", "\ud83d", "\ude00",
+    "user",
+    "assistant",
+    "Hello",
+    " world",
+    ".",
+    "\n",
+    "  ",
+    "0",
+    "12",
+    "'s",
+    '{"a": 1}',
+    "中文",
+    "😀",
+    "é",
+    "\u0301",
+    "\t",
+    " 0",
+    "x ",
+    "<|endoftext|>",
+    "\ud83d",
+    "\ude00",
 ]
 texts = st.lists(
     st.one_of(st.lists(st.sampled_from(FRAGMENTS), max_size=8).map("".join), st.text(max_size=40)),
@@ -26,8 +45,9 @@ def tok(request: pytest.FixtureRequest, registry: TokenizerRegistry) -> ModelTok
     return registry.counter_for(request.param)
 
 
-@settings(max_examples=200, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(items=texts)
 def test_tally_equals_the_sum_of_separate_counts(tok: ModelTokenizer, items: list[str]) -> None:
     tally = TokenTally(tok)

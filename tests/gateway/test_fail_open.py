@@ -1,0 +1,412 @@
+"""Redis outages end to end (issue 9, items 4 and 8): client → Envoy → processor → Redis.
+
+* A fail-open plan keeps serving from its processor's local allowance while Redis is dead;
+  a closed plan gets 503 ``quota_unavailable``; the breaker keeps all but its probes off
+  the dead Redis; when Redis returns, what was served shows up in its counters, once.
+* Streams in flight when Redis stops: a fail-open plan's leases come from the allowance, a
+  closed plan's stream is cut with ``quota_unavailable``.
+* Streams that end during an outage longer than any retry are settled once Redis returns.
+
+Each test has its own redis-server (killed or paused); every pause is undone by SIGCONT in
+a ``finally``, every process stopped by PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
+from tests.gateway.test_stream_end_races import MESSAGES, PIECE, PROMPT
+from tests.quota.test_resilient import TcpProxy
+from tests.support.gateway import Envoy, Processor, start_gateway, wait_until
+from tests.support.redis_server import RedisServer
+from tests.support.scripted_upstream import chat_stream
+from tests.support.simulator import Simulator
+from tests.support.sse_client import StreamResult, stream_http1
+
+LIMITS = {"*": {"rpm": 100, "tpm": 100_000}}
+OPEN = {"window_s": WINDOW_S, "limits": LIMITS, "on_backend_failure": "open"}
+CLOSED = {"window_s": WINDOW_S, "limits": LIMITS}
+BREAKER = {"failures": 3, "probe_interval_ms": 100}
+# Long streams: a model whose limit does not clamp what the scripted upstream sends.
+BIG_MODEL = {"gpt-4.1": {"tokenizer": "o200k_base", "max_tokens": 4096}}
+
+
+def records(client: redis.Redis, tenant: str) -> list[dict[str, str]]:
+    return [client.hgetall(k) for k in client.scan_iter(match=f"tq:{{{tenant}}}:r:*")]
+
+
+def error_code(result: StreamResult) -> str | None:
+    """The error code of a JSON error answer or of a closing SSE error event."""
+    if result.error is not None:
+        return result.error.get("code")
+    with contextlib.suppress(orjson.JSONDecodeError):
+        return orjson.loads(result.body)["error"]["code"]
+    return None
+
+
+def served(result: StreamResult) -> int:
+    usage = result.usage
+    assert usage is not None, result.body
+    return usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def kill(server: RedisServer) -> None:
+    os.kill(server.pid, signal.SIGKILL)
+    server.process.proc.wait(10)
+
+
+def test_redis_killed_under_load_leaves_fail_open_plans_serving_and_reconciled(
+    tmp_path: Path, simulators: list[Simulator]
+) -> None:
+    server = RedisServer.start(tmp_path / "redis")
+    port = server.port
+    revived: RedisServer | None = None
+    proxy = TcpProxy(port).__enter__()  # counts the connections that reach Redis
+    tenants = {"open": OPEN, "closed": CLOSED}  # open: 10 RPM, 10 000 TPM locally
+    config = write_processor_config(
+        tmp_path / "quota.yaml",
+        tenants,
+        redis_url=f"redis://127.0.0.1:{proxy.port}/0",
+        quota_timeout_ms=200,
+        circuit_breaker=BREAKER,
+    )
+    gateway = start_gateway(config, tmp_path, [s.port for s in simulators])
+    processor = gateway.processors[0]
+    url = gateway.base_url + "/v1/chat/completions"
+    payload = {
+        "model": "gpt-4.1",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 8,  # within what admission reserves: no lease, no cut
+        "messages": [{"role": "user", "content": "Say hello"}],
+    }
+    results: dict[str, list[StreamResult]] = {"open": [], "closed": []}
+
+    async def metrics() -> dict[str, float]:
+        return await asyncio.to_thread(processor.metrics)
+
+    async def wait_for(predicate: Any, timeout_s: float = 30) -> None:
+        async with asyncio.timeout(timeout_s):
+            while not await predicate():
+                await asyncio.sleep(0.02)
+
+    async def under_load() -> tuple[dict[str, float], dict[str, float], int]:
+        """Three clients per tenant send back to back; Redis is killed among them."""
+        stop = asyncio.Event()
+
+        async def client(tenant: str) -> None:
+            while not stop.is_set():
+                results[tenant].append(await stream_http1(url, tenant_key(tenant), payload))
+
+        load = asyncio.gather(*(client(t) for t in tenants for _ in range(3)))
+        try:
+
+            async def served_some() -> bool:
+                return min(len(r) for r in results.values()) >= 10
+
+            await wait_for(served_some)
+            kill(server)
+
+            async def breaker_open() -> bool:
+                return (await metrics())["extproc_quota_breaker_open"] == 1
+
+            await wait_for(breaker_open)
+            before, attempts_before = await metrics(), proxy.accepted
+            closed_before = len(results["closed"])
+
+            async def outage_served() -> bool:  # the allowance is used up, closed refused
+                m = await metrics()
+                return (
+                    m["extproc_fail_open_refusals_total"] >= 10
+                    and len(results["closed"]) - closed_before >= 30
+                )
+
+            await wait_for(outage_served)
+            after, attempts = await metrics(), proxy.accepted - attempts_before
+        finally:
+            stop.set()
+            await load
+        return before, after, attempts
+
+    try:
+        before, after, attempts = asyncio.run(under_load())
+
+        def delta(name: str) -> float:
+            return after.get(name, 0.0) - before.get(name, 0.0)
+
+        def by_redis(r: StreamResult) -> bool:  # admitted by Redis: carries its counters
+            return "x-ratelimit-limit-requests" in r.headers
+
+        # Closed plan: what Redis admitted before it died, then only 503 quota_unavailable.
+        closed_ok = [r for r in results["closed"] if r.status == 200]
+        closed_refused = [r for r in results["closed"] if r.status != 200]
+        assert all(by_redis(r) and r.done and r.error is None for r in closed_ok)
+        assert {(r.status, error_code(r)) for r in closed_refused} == {(503, "quota_unavailable")}
+        # Fail-open plan: what Redis admitted, then exactly its local allowance (10 % of
+        # 100 RPM), then 503 quota_unavailable.
+        local = [r for r in results["open"] if r.status == 200 and not by_redis(r)]
+        open_refused = [r for r in results["open"] if r.status != 200]
+        assert len(local) == 10
+        assert all(r.done and r.error is None for r in results["open"] if r.status == 200)
+        assert {(r.status, error_code(r)) for r in open_refused} == {(503, "quota_unavailable")}
+        assert after["extproc_fail_open_admissions_total"] == 10
+        # While the breaker was open no quota call was sent to Redis, only its probes (one
+        # PING each, one reconnection at most). Connections also come from calls that were
+        # in flight when it opened (each fails, once), and from the heartbeat at its own
+        # fixed rate (each of its calls fails while Redis is dead); one probe and one beat
+        # may straddle the snapshots.
+        probes = delta("extproc_quota_breaker_probes_total")
+        short_circuited = delta("extproc_quota_short_circuited_total")
+        assert delta("extproc_quota_backend_calls_total") == 0
+        assert short_circuited >= 30
+        in_flight = delta("extproc_quota_backend_failures_total")
+        beats = delta("extproc_liveness_errors_total")
+        assert attempts <= 2 * (probes + in_flight + beats + 2)
+        served_open = sum(served(r) for r in local)
+
+        revived = RedisServer.start(tmp_path / "revived", port=port)
+        client = redis.Redis(port=port, decode_responses=True)
+        try:
+
+            def reconciled() -> bool:
+                m = processor.metrics()
+                return (
+                    m["extproc_quota_breaker_open"] == 0
+                    and m["extproc_quota_queue_depth"] == 0
+                    and m["extproc_reconciled_reservations_total"] == 10
+                )
+
+            assert wait_until(reconciled, timeout_s=30)
+            final = processor.metrics()
+            open_redis = len(results["open"]) - len(local) - len(open_refused)
+            print(
+                f"outage under load: closed {len(closed_ok)}x200 (Redis) "
+                f"{len(closed_refused)}x503; open {open_redis}x200 (Redis) "
+                f"{len(local)}x200 (local) {len(open_refused)}x503; while open "
+                f"{short_circuited:.0f} calls short-circuited, {probes:.0f} probes, {attempts} "
+                f"connections to Redis; reconciled {final['extproc_reconciled_tokens_total']:.0f}"
+                f" tokens (clients were served {served_open})"
+            )
+            # Redis came back empty: its counters hold exactly what was served meanwhile.
+            assert counter_value(client, "open", "tpm", "gpt-4.1") == served_open
+            assert final["extproc_reconciled_tokens_total"] == served_open
+            # RPM is absorbed for local admissions Redis never saw (those whose Redis call
+            # failed before the breaker opened were cancelled there instead).
+            assert 1 <= counter_value(client, "open", "rpm", "gpt-4.1") <= 10
+            assert counter_value(client, "closed", "tpm", "gpt-4.1") == 0
+            assert counter_value(client, "closed", "rpm", "gpt-4.1") == 0
+
+            # Service is back on Redis, and the reconciled charges are not counted twice.
+            rpm = counter_value(client, "open", "rpm", "gpt-4.1")
+            again = asyncio.run(stream_http1(url, tenant_key("open"), payload))
+            assert again.status == 200 and by_redis(again)
+            expected = served_open + served(again)
+            assert wait_until(
+                lambda: counter_value(client, "open", "tpm", "gpt-4.1") == expected, 10
+            )
+            assert counter_value(client, "open", "rpm", "gpt-4.1") == rpm + 1
+            assert processor.metrics()["extproc_reconciled_reservations_total"] == 10
+        finally:
+            client.close()
+    finally:
+        gateway.stop()
+        proxy.__exit__()
+        server.stop()
+        if revived is not None:
+            revived.stop()
+
+
+class GatedUpstream:
+    """HTTP/1.1 SSE upstream: ``max_tokens`` one-token pieces per answer, the first ``head``
+    at once and the rest once ``gate`` is set; one request per connection."""
+
+    def __init__(self, head: int) -> None:
+        self.head = head
+        self.gate = asyncio.Event()
+        self.requests = 0
+        self.port = 0
+
+    async def __aenter__(self) -> GatedUpstream:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        body = orjson.loads(await reader.readexactly(length))
+        self.requests += 1
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        )
+        chunks = chat_stream([PIECE] * body["max_tokens"], None)
+        for i, chunk in enumerate(chunks):
+            if i == 1 + self.head:
+                await self.gate.wait()
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+
+def run_gated(
+    tmp_path: Path,
+    processor: Processor,
+    server: RedisServer,
+    streams: list[tuple[str, int]],
+) -> list[StreamResult]:
+    """Start ``(tenant, pieces)`` streams, pause Redis once each has its first event
+    (every admission is done), then let the upstream send the rest. Redis stays paused."""
+
+    async def run() -> list[StreamResult]:
+        async with GatedUpstream(head=4) as upstream:
+            envoy = Envoy.start(tmp_path, [processor.port], [upstream.port])
+            try:
+                url = envoy.base_url + "/v1/chat/completions"
+                firsts = [asyncio.Event() for _ in streams]
+                tasks = [
+                    asyncio.create_task(
+                        stream_http1(
+                            url,
+                            tenant_key(tenant),
+                            {"model": "gpt-4.1", "stream": True, "max_tokens": n,
+                             "messages": MESSAGES},
+                            first_event=first,
+                        )
+                    )
+                    for (tenant, n), first in zip(streams, firsts, strict=True)
+                ]  # fmt: skip
+                await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 30)
+                os.kill(server.pid, signal.SIGSTOP)
+                upstream.gate.set()
+                return list(await asyncio.gather(*tasks))
+            finally:
+                envoy.stop()
+
+    return asyncio.run(run())
+
+
+def start_processor(tmp_path: Path, server: RedisServer, tenants: dict[str, Any]) -> Processor:
+    config = write_processor_config(
+        tmp_path / "quota.yaml",
+        tenants,
+        redis_url=server.url,
+        models=BIG_MODEL,
+        quota_timeout_ms=500,
+        circuit_breaker=BREAKER,
+    )
+    return Processor.start(config, tmp_path)
+
+
+def test_streams_in_flight_when_redis_stops_follow_their_plans_policy(tmp_path: Path) -> None:
+    server = RedisServer.start(tmp_path / "redis")
+    processor = start_processor(tmp_path, server, {"open": OPEN, "closed": CLOSED})
+    client = redis.Redis(port=server.port, decode_responses=True)
+    try:
+        try:
+            kept, cut = run_gated(tmp_path, processor, server, [("open", 80), ("closed", 80)])
+            # Both streams have ended: their settlements (the closed one's, the open one's
+            # Redis part and its absorb) wait in the processor's queue.
+            assert wait_until(
+                lambda: processor.metrics()["extproc_quota_queued_total"] >= 3, timeout_s=10
+            )
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert kept.status == 200 and kept.done and kept.error is None
+        assert kept.content.count(PIECE) == 80  # leased from the local allowance
+        assert cut.status == 200 and cut.done and error_code(cut) == "quota_unavailable"
+        delivered = cut.content.count(PIECE)
+        assert 0 < delivered <= 32  # what admission reserved; no lease since
+
+        def settled() -> bool:
+            found = records(client, "open") + records(client, "closed")
+            metrics = processor.metrics()
+            return (
+                len(found) == 3  # two reservations and the open one's absorb record
+                and all("st" in r for r in found)
+                and metrics["extproc_quota_queue_depth"] == 0
+            )
+
+        assert wait_until(settled, timeout_s=30)
+        metrics = processor.metrics()
+        batches = metrics["extproc_fail_open_lease_batches_total"]
+        print(
+            f"in flight: fail-open stream 80/80 tokens, {batches:.0f} local batches, "
+            f"{metrics['extproc_reconciled_tokens_total']:.0f} tokens reconciled; "
+            f"closed stream cut after {delivered}"
+        )
+        assert metrics["extproc_fail_open_lease_batches_total"] >= 1
+        assert metrics["extproc_reconciled_reservations_total"] == 1
+        assert counter_value(client, "open", "tpm", "gpt-4.1") == PROMPT + 80
+        assert counter_value(client, "closed", "tpm", "gpt-4.1") == PROMPT + delivered
+        assert counter_value(client, "open", "rpm", "gpt-4.1") == 1
+        assert metrics["extproc_settle_errors_total"] == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.pid, signal.SIGCONT)
+        processor.stop()
+        client.close()
+        server.stop()
+
+
+def test_streams_that_end_during_a_long_outage_are_settled_when_redis_returns(
+    tmp_path: Path,
+) -> None:
+    server = RedisServer.start(tmp_path / "redis")
+    processor = start_processor(tmp_path, server, {"late": CLOSED})
+    client = redis.Redis(port=server.port, decode_responses=True)
+    # Two streams fit in what admission reserved and complete; two need leases and are cut.
+    streams = [("late", 20), ("late", 20), ("late", 80), ("late", 80)]
+    try:
+        try:
+            results = run_gated(tmp_path, processor, server, streams)
+            # Every settlement failed and waits in the queue: the outage outlasts any retry.
+            assert wait_until(
+                lambda: processor.metrics()["extproc_quota_queued_total"] >= 4, timeout_s=10
+            )
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        delivered = [r.content.count(PIECE) for r in results]
+        assert delivered[:2] == [20, 20]
+        assert all(r.done and r.error is None for r in results[:2])
+        assert all(error_code(r) == "quota_unavailable" for r in results[2:])
+
+        def settled() -> bool:
+            found = records(client, "late")
+            return len(found) == 4 and all("st" in r for r in found)
+
+        assert wait_until(settled, timeout_s=30)
+        metrics = processor.metrics()
+        print(
+            f"long outage: {len(results)} streams ended while Redis was paused, delivered "
+            f"{delivered}; queued {metrics['extproc_quota_queued_total']:.0f}, applied "
+            f"{metrics['extproc_quota_queue_applied_total']:.0f}"
+        )
+        assert counter_value(client, "late", "tpm", "gpt-4.1") == 4 * PROMPT + sum(delivered)
+        assert metrics["extproc_quota_queue_dropped_total"] == 0
+        assert metrics["extproc_settle_errors_total"] == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.pid, signal.SIGCONT)
+        processor.stop()
+        client.close()
+        server.stop()

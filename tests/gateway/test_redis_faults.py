@@ -1,0 +1,68 @@
+"""Redis faults mid-stream: the client is told the quota service failed, not its budget."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+import redis
+
+from tests.gateway.conftest import counter_value, tenant_key
+from tests.gateway.test_stream_end_races import (
+    MESSAGES,
+    PIECE,
+    PROMPT,
+    RawUpstream,
+    envoy_with_trailers,
+    start_processor,
+)
+from tests.support.gateway import wait_until
+from tests.support.redis_server import RedisServer
+from tests.support.scripted_upstream import chat_stream
+from tests.support.sse_client import stream_http1
+
+
+def test_a_lease_the_backend_cannot_answer_ends_the_stream_as_quota_unavailable(
+    tmp_path: Path,
+) -> None:
+    server = RedisServer.start(tmp_path / "redis")
+    processor = start_processor(tmp_path, server.url, quota_timeout_ms=200)
+    client = redis.Redis(port=server.port, decode_responses=True)
+
+    async def run() -> object:
+        def pause_redis() -> None:  # admission is done: every lease from here times out
+            os.kill(server.pid, signal.SIGSTOP)
+
+        async with RawUpstream(chat_stream([PIECE] * 80, None), on_request=pause_redis) as up:
+            envoy = envoy_with_trailers(tmp_path, processor.port, up.port)
+            try:
+                payload = {"model": "gpt-4.1", "stream": True, "messages": MESSAGES}
+                url = envoy.base_url + "/v1/chat/completions"
+                return await stream_http1(url, tenant_key("edge"), payload)
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+                envoy.stop()
+
+    try:
+        result = asyncio.run(run())
+        assert result.status == 200 and result.done  # type: ignore[attr-defined]
+        error = result.error  # type: ignore[attr-defined]
+        assert error is not None and error["code"] == "quota_unavailable"
+        assert error["type"] == "api_error"
+        delivered = result.content.count(PIECE)  # type: ignore[attr-defined]
+        assert 0 < delivered <= 32  # what admission reserved, nothing leased since
+
+        def charged() -> int:
+            return counter_value(client, "edge", "tpm", "gpt-4.1")
+
+        wait_until(lambda: charged() == PROMPT + delivered, timeout_s=10)
+        assert charged() == PROMPT + delivered
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.pid, signal.SIGCONT)
+        processor.stop()
+        client.close()
+        server.stop()
