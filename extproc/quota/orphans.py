@@ -235,8 +235,10 @@ class Liveness:
 
     async def _every(self, interval_s: float, step: Callable[[], Any], jitter: bool) -> None:
         # Stopped by ``_stopping``, not only by cancel: on Python 3.11 a cancel that lands in
-        # redis-py's ``asyncio.wait_for`` can be lost, and the loop would go on forever.
-        while not self._stopping.is_set():
+        # redis-py's ``asyncio.wait_for`` can be swallowed, and the loop would go on forever
+        # (the task still counts the request: ``cancelling()``).
+        task = asyncio.current_task()
+        while not self._stopping.is_set() and not (task is not None and task.cancelling()):
             try:
                 async with asyncio.timeout(max(self.call_timeout_s, interval_s) * 4):
                     await step()
