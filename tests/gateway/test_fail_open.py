@@ -27,6 +27,7 @@ from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_pr
 from tests.gateway.test_stream_end_races import MESSAGES, PIECE, PROMPT
 from tests.quota.test_resilient import TcpProxy
 from tests.support.gateway import Envoy, Processor, start_gateway, wait_until
+from tests.support.raw_upstream import RawUpstream
 from tests.support.redis_server import RedisServer
 from tests.support.scripted_upstream import chat_stream
 from tests.support.simulator import Simulator
@@ -225,49 +226,6 @@ def test_redis_killed_under_load_leaves_fail_open_plans_serving_and_reconciled(
             revived.stop()
 
 
-class GatedUpstream:
-    """HTTP/1.1 SSE upstream: ``max_tokens`` one-token pieces per answer, the first ``head``
-    at once and the rest once ``gate`` is set; one request per connection."""
-
-    def __init__(self, head: int) -> None:
-        self.head = head
-        self.gate = asyncio.Event()
-        self.requests = 0
-        self.port = 0
-
-    async def __aenter__(self) -> GatedUpstream:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        self._server.close()
-        await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(
-            int(line.split(b":")[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        )
-        body = orjson.loads(await reader.readexactly(length))
-        self.requests += 1
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-        )
-        chunks = chat_stream([PIECE] * body["max_tokens"], None)
-        for i, chunk in enumerate(chunks):
-            if i == 1 + self.head:
-                await self.gate.wait()
-            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            await writer.drain()
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-        writer.close()
-
-
 def run_gated(
     tmp_path: Path,
     processor: Processor,
@@ -278,7 +236,8 @@ def run_gated(
     (every admission is done), then let the upstream send the rest. Redis stays paused."""
 
     async def run() -> list[StreamResult]:
-        async with GatedUpstream(head=4) as upstream:
+        answer = lambda body: chat_stream([PIECE] * body["max_tokens"], None)  # noqa: E731
+        async with RawUpstream(answer, head=5) as upstream:  # role + 4 tokens at once
             envoy = Envoy.start(tmp_path, [processor.port], [upstream.port])
             try:
                 url = envoy.base_url + "/v1/chat/completions"

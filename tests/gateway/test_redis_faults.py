@@ -10,19 +10,17 @@ from pathlib import Path
 
 import redis
 
-from tests.gateway.conftest import counter_value, tenant_key
+from tests.gateway.conftest import counter_value
 from tests.gateway.test_stream_end_races import (
-    MESSAGES,
     PIECE,
     PROMPT,
-    RawUpstream,
-    envoy_with_trailers,
     start_processor,
+    stream_through,
 )
 from tests.support.gateway import wait_until
+from tests.support.raw_upstream import RawUpstream
 from tests.support.redis_server import RedisServer
 from tests.support.scripted_upstream import chat_stream
-from tests.support.sse_client import stream_http1
 
 
 def test_a_lease_the_backend_cannot_answer_ends_the_stream_as_quota_unavailable(
@@ -36,15 +34,12 @@ def test_a_lease_the_backend_cannot_answer_ends_the_stream_as_quota_unavailable(
         def pause_redis() -> None:  # admission is done: every lease from here times out
             os.kill(server.pid, signal.SIGSTOP)
 
-        async with RawUpstream(chat_stream([PIECE] * 80, None), on_request=pause_redis) as up:
-            envoy = envoy_with_trailers(tmp_path, processor.port, up.port)
+        chunks = chat_stream([PIECE] * 80, None)
+        async with RawUpstream(lambda _: chunks, trailers=True, on_request=pause_redis) as up:
             try:
-                payload = {"model": "gpt-4.1", "stream": True, "messages": MESSAGES}
-                url = envoy.base_url + "/v1/chat/completions"
-                return await stream_http1(url, tenant_key("edge"), payload)
+                return await stream_through(tmp_path, processor, up)
             finally:
                 os.kill(server.pid, signal.SIGCONT)
-                envoy.stop()
 
     try:
         result = asyncio.run(run())

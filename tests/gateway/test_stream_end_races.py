@@ -8,8 +8,9 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -20,6 +21,7 @@ from stack.envoy import EnvoyPorts, render_bootstrap
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
 from tests.support.gateway import Envoy, Processor, wait_until
 from tests.support.procs import free_port
+from tests.support.raw_upstream import RawUpstream
 from tests.support.redis_server import RedisServer
 from tests.support.scripted_upstream import chat_stream
 from tests.support.sse_client import stream_http1
@@ -32,47 +34,6 @@ PROMPT = count_prompt_tokens(
     ),
 )
 PIECE = " hello"  # one o200k token
-
-
-class RawUpstream:
-    """HTTP/1.1 by hand: a chunked SSE body followed by trailers, all sent at once."""
-
-    def __init__(self, chunks: list[bytes], on_request: Callable[[], None] | None = None) -> None:
-        self.chunks = chunks
-        self.on_request = on_request  # runs when the (admitted) request arrives
-        self.port = 0
-
-    async def __aenter__(self) -> RawUpstream:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        self._server.close()
-        await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(
-            int(line.split(b":")[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        )
-        await reader.readexactly(length)
-        if self.on_request is not None:
-            self.on_request()
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\nTrailer: x-upstream-done\r\n\r\n"
-        )
-        for chunk in self.chunks:
-            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            await writer.drain()
-        writer.write(b"0\r\nx-upstream-done: 1\r\n\r\n")
-        await writer.drain()
-        with contextlib.suppress(ConnectionError):
-            await reader.read()
-        writer.close()
 
 
 def envoy_with_trailers(log_dir: Path, processor_port: int, backend_port: int) -> Envoy:
@@ -93,6 +54,17 @@ def envoy_with_trailers(log_dir: Path, processor_port: int, backend_port: int) -
     path = log_dir / f"envoy-trailers-{ports.listen}.yaml"
     path.write_text(text)
     return Envoy.launch(path, ports, log_dir / f"envoy-{ports.listen}.log")
+
+
+async def stream_through(tmp_path: Path, processor: Processor, upstream: RawUpstream) -> Any:
+    """One streamed chat request through a fresh Envoy (trailers on) in front of ``upstream``."""
+    envoy = envoy_with_trailers(tmp_path, processor.port, upstream.port)
+    try:
+        payload = {"model": "gpt-4.1", "stream": True, "messages": MESSAGES}
+        url = envoy.base_url + "/v1/chat/completions"
+        return await stream_http1(url, tenant_key("edge"), payload)
+    finally:
+        envoy.stop()
 
 
 @pytest.fixture()
@@ -122,14 +94,8 @@ def test_an_event_still_buffered_when_trailers_arrive_is_delivered_and_billed(
     client = redis.Redis(port=redis_server.port, decode_responses=True)
 
     async def run() -> object:
-        async with RawUpstream(chunks) as upstream:
-            envoy = envoy_with_trailers(tmp_path, processor.port, upstream.port)
-            try:
-                payload = {"model": "gpt-4.1", "stream": True, "messages": MESSAGES}
-                url = envoy.base_url + "/v1/chat/completions"
-                return await stream_http1(url, tenant_key("edge"), payload)
-            finally:
-                envoy.stop()
+        async with RawUpstream(lambda _: chunks, trailers=True) as upstream:
+            return await stream_through(tmp_path, processor, upstream)
 
     try:
         result = asyncio.run(run())
@@ -146,9 +112,10 @@ def test_an_event_still_buffered_when_trailers_arrive_is_delivered_and_billed(
 def test_the_idle_watchdog_never_ends_a_stream_while_its_lease_is_pending(
     tmp_path: Path, paused_redis: RedisServer
 ) -> None:
-    # Idle timeout far below the lease's deadline: a pending lease must not look idle.
+    # The idle timeout is below the time a lease waits on Redis (a pending lease must not look
+    # idle) but well above a loaded machine's gap between two body messages of one answer.
     processor = start_processor(
-        tmp_path, paused_redis.url, stream_idle_timeout_s=0.3, quota_timeout_ms=1500
+        tmp_path, paused_redis.url, stream_idle_timeout_s=1.0, quota_timeout_ms=4000
     )
     client = redis.Redis(port=paused_redis.port, decode_responses=True)
     chunks = chat_stream([PIECE] * 80, None)
@@ -157,19 +124,13 @@ def test_the_idle_watchdog_never_ends_a_stream_while_its_lease_is_pending(
         loop = asyncio.get_running_loop()
 
         def pause_redis() -> None:
-            # Admission is done; every lease from here waits on Redis for a second, while
+            # Admission is done; every lease from here waits on Redis for 2.5 s, while
             # the upstream sends the whole answer at once (it is never idle).
             os.kill(paused_redis.pid, signal.SIGSTOP)
-            loop.call_later(1.0, os.kill, paused_redis.pid, signal.SIGCONT)
+            loop.call_later(2.5, os.kill, paused_redis.pid, signal.SIGCONT)
 
-        async with RawUpstream(chunks, on_request=pause_redis) as upstream:
-            envoy = envoy_with_trailers(tmp_path, processor.port, upstream.port)
-            try:
-                payload = {"model": "gpt-4.1", "stream": True, "messages": MESSAGES}
-                url = envoy.base_url + "/v1/chat/completions"
-                return await stream_http1(url, tenant_key("edge"), payload)
-            finally:
-                envoy.stop()
+        async with RawUpstream(lambda _: chunks, trailers=True, on_request=pause_redis) as upstream:
+            return await stream_through(tmp_path, processor, upstream)
 
     try:
         result = asyncio.run(run())
