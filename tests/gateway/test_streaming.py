@@ -344,9 +344,10 @@ def test_overshoot_is_bounded_across_two_envoys_and_two_processors(
         tmp_path / "quota.yaml", tenants, redis_url=redis_server.url, models=MODELS
     )
     backends = [s.port for s in simulators]
-    gateways = [start_gateway(config, tmp_path, backends) for _ in range(2)]
+    gateways: list[Gateway] = []
     request = payload(max_tokens=4000, ignore_eos=True)
     try:
+        gateways.extend(start_gateway(config, tmp_path, backends) for _ in range(2))
         results = asyncio.run(
             _concurrent_streams([url(gw) for gw in gateways], tenant_key("crowd"), request, 50)
         )
