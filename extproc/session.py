@@ -174,7 +174,12 @@ class Session:
             self.runtime.metrics.refusal(error.code or error.type)
             return msg.immediate(error)
         except Exception as exc:  # the quota backend is down or timed out: fail closed, clearly
-            log.error("admission_failed", request_id=self.request_id, error=repr(exc))
+            log.error(
+                "admission_failed",
+                request_id=self.request_id,
+                client_request_id=self.client_request_id,
+                error=repr(exc),
+            )
             self.runtime.metrics.refusal("quota_unavailable")
             return msg.immediate(QUOTA_UNAVAILABLE)
         self.admitted = admitted

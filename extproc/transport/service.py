@@ -84,7 +84,11 @@ class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
             raise
         except Exception:
             reason = "error"
-            log.exception("stream_failed", request_id=session.request_id)
+            log.exception(
+                "stream_failed",
+                request_id=session.request_id,
+                client_request_id=session.client_request_id,
+            )
             raise
         finally:
             if watchdog is not None:
