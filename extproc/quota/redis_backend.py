@@ -73,7 +73,7 @@ def new_owner_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def _load_lua(name: str) -> str:
+def load_lua(name: str) -> str:
     return resources.files("extproc.quota").joinpath("lua", name).read_text(encoding="utf-8")
 
 
@@ -144,9 +144,9 @@ class RedisQuotaBackend:
         self.settled_ttl_s = settled_ttl_s
         # Set by ``track_open_reservations``; None: nothing is tracked (no cost at all).
         self.open_reservations: OpenReservations | None = None
-        self._admit = client.register_script(_load_lua("admit.lua"))
-        self._reserve = client.register_script(_load_lua("reserve.lua"))
-        self._settle = client.register_script(_load_lua("settle.lua"))
+        self._admit = client.register_script(load_lua("admit.lua"))
+        self._reserve = client.register_script(load_lua("reserve.lua"))
+        self._settle = client.register_script(load_lua("settle.lua"))
 
     @classmethod
     def from_url(
