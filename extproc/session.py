@@ -107,6 +107,19 @@ class Session:
     def admission(self) -> Admission:
         return self.runtime.admission
 
+    def answer_now(self, request: msg.ProcessingRequest) -> msg.ProcessingResponse | None:
+        """The answer to the common response body message when nothing must be awaited for
+        it (``ResponseMeter.on_body_now``); None: ``handle`` answers it."""
+        meter = self.meter
+        if meter is None or not request.HasField("response_body"):
+            return None
+        body = request.response_body
+        out = meter.on_body_now(body.body, body.end_of_stream)
+        if out is None:
+            return None
+        self.runtime.metrics.body_messages_total += 1
+        return msg.stream_response_body(out, False)
+
     async def handle(self, request: msg.ProcessingRequest) -> msg.ProcessingResponse | None:
         """Answer one message; None means nothing is to be sent (stream already ended)."""
         kind = request.WhichOneof("request")

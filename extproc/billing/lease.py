@@ -86,6 +86,18 @@ def next_lease(leased: int, delivered: int, batch: int, max_output: int) -> int:
     return top - leased
 
 
+def lease_due_at(leased: int, batch: int, max_output: int) -> int | None:
+    """The fewest delivered tokens at which ``next_lease`` asks for more; None: never.
+
+    ``next_lease(leased, d, ...) > 0`` exactly when ``d >= lease_due_at(leased, ...)``, so
+    the meter compares one integer per event instead of evaluating the rule.
+    """
+    _check(batch)
+    if leased >= max_output or (leased % batch and leased != first_lease(batch, max_output)):
+        return None
+    return max(0, (leased // batch - 1) * batch + (batch + 1) // 2)
+
+
 def cover_lease(leased: int, need: int, batch: int, max_output: int) -> int:
     """Output tokens to reserve when events carrying ``need`` tokens in all are waiting.
 

@@ -24,6 +24,7 @@ from extproc.billing.lease import (
     REFUND_RETRY_S,
     cover_lease,
     fair_share,
+    lease_due_at,
     next_lease,
     refund_retries,
 )
@@ -76,6 +77,8 @@ class ResponseMeter:
         self.batch = admitted.policy.batch_tokens
         self.max_output = admitted.request.max_tokens * admitted.request.choices
         self.leased = admitted.output_reserved  # output tokens covered so far
+        # Delivered tokens at which the next background lease is due (None: never).
+        self._lease_due = lease_due_at(self.leased, self.batch, self.max_output)
         self.delivered = 0  # output tokens in events forwarded to the client
         self.counted = 0  # output tokens in every event parsed so far (delivered or not)
         self.text_tokens = 0  # our own count of the text so far, summed over choices
@@ -98,6 +101,10 @@ class ResponseMeter:
         self._json: JsonBodyCollector | None = None
         self._counters: dict[int, IncrementalCounter] = {}
         self._last_chunk: dict[str, Any] | None = None
+        # An event ``on_body_now`` counted but could not forward (the lease didn't cover it):
+        # the body message it came in, the event, its cost. ``on_body`` takes it from here
+        # (the same bytes: upb hands out a new bytes object per access, so compared by value).
+        self._declined: tuple[bytes, SseEvent, int] | None = None
 
     @property
     def may_rewrite_body(self) -> bool:
@@ -130,10 +137,50 @@ class ResponseMeter:
 
     # -- body ------------------------------------------------------------------------------
 
+    def on_body_now(self, chunk: bytes, end_of_stream: bool) -> bytes | None:
+        """The bytes to forward for the common body message, without awaiting anything.
+
+        That message is one complete ``data:`` event the lease already covers: it goes out
+        unchanged. None for any other message, and for one whose tokens the lease doesn't
+        cover: ``on_body`` must then be called with the same message (an event counted here
+        is handed over, never counted twice). The general path gives the same result.
+        """
+        if end_of_stream or self.finished or self.mode != "sse" or self._decoder is not None:
+            return None
+        data = self._sse.lone_data(chunk)
+        if data is None:
+            return None
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None  # not JSON ([DONE], malformed, invalid UTF-8): the general path
+        if type(parsed) is not dict:
+            return None
+        cost = self._chunk_cost(parsed)
+        if cost < 0:  # the forced usage chunk, withheld from the client
+            self.metrics.events_total += 1
+            return b""
+        if self.incremental and self.delivered + cost > self.leased:
+            self._declined = (chunk, SseEvent(chunk, data.decode("utf-8", "replace")), cost)
+            return None
+        self.metrics.events_total += 1
+        self.delivered += cost
+        due = self._lease_due
+        if due is not None and self.delivered >= due and self.incremental:
+            self._lease_ahead()
+        return chunk
+
     async def on_body(self, chunk: bytes, end_of_stream: bool) -> tuple[bytes | None, bool]:
         """Bytes to forward for this body message, and whether they end the client's stream."""
         if self.finished:
             return None, False
+        declined = self._declined
+        if declined is not None:
+            self._declined = None
+            if declined[0] != chunk:
+                raise RuntimeError("on_body must follow on_body_now for the message it declined")
+            out = await self._forward([declined[1]], [declined[2]])
+            return (None, False) if out is None else (out, self.finished)
         if self._decoder is not None:
             try:
                 chunk = self._decoder.feed(chunk, end_of_stream)
@@ -205,16 +252,20 @@ class ResponseMeter:
         self._finish("shutdown")
         return tail
 
-    async def _forward(self, events: list[SseEvent]) -> bytes | None:
+    async def _forward(
+        self, events: list[SseEvent], costs: list[int] | None = None
+    ) -> bytes | None:
         """Forward the events the lease covers; cut the stream off at the first that isn't.
 
-        None: the stream was ended by someone else (the idle watchdog) during the wait for
-        a lease, so nothing more may go out.
+        ``costs``: the events' costs when already counted (``on_body_now``). None: the
+        stream was ended by someone else (the idle watchdog) during the wait for a lease,
+        so nothing more may go out.
         """
         if not events:
             return b""
         self.metrics.events_total += len(events)
-        costs = [self._cost(event) for event in events]
+        if costs is None:
+            costs = [self._cost(event) for event in events]
         need = self.delivered
         for cost in costs:
             if cost > 0:
@@ -253,6 +304,10 @@ class ResponseMeter:
             self.metrics.malformed_events_total += 1
             log.warning("malformed_sse_event", request_id=self._rid, size=len(event.raw))
             return 0
+        return self._chunk_cost(chunk)
+
+    def _chunk_cost(self, chunk: dict[str, Any]) -> int:
+        """``_cost`` of an event whose data is the JSON object ``chunk``."""
         choices = chunk.get("choices")
         usage = chunk.get("usage")
         if not choices:
@@ -261,25 +316,33 @@ class ResponseMeter:
                 return 0 if self.admitted.request.client_wants_usage else -1
             return 0
         self._last_chunk = chunk
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            # vLLM continuous_usage_stats: the upstream's own running count.
-            return self._advance(usage["completion_tokens"])
-        if not isinstance(choices, list):
+        if usage is not None and type(usage) is dict:
+            running = usage.get("completion_tokens")
+            if type(running) is int:
+                # vLLM continuous_usage_stats: the upstream's own running count.
+                return self._advance(running)
+        if type(choices) is not list:
             return 0
         total = self.text_tokens
+        counters = self._counters
         for choice in choices:
             if type(choice) is not dict:
                 continue
             text = delta_text(choice)
             if text:
                 index = choice.get("index", 0)
-                counter = self._counters.get(index)
+                counter = counters.get(index)
                 if counter is None:
-                    counter = self._counters[index] = IncrementalCounter(self.admitted.tokenizer)
+                    counter = counters[index] = IncrementalCounter(self.admitted.tokenizer)
                 before = counter.total
                 total += counter.feed(text) - before
         self.text_tokens = total
-        return self._advance(total)
+        # _advance, inlined: this runs once per event.
+        cost = total - self.counted
+        if cost <= 0:
+            return 0
+        self.counted = total
+        return cost
 
     def _advance(self, total: int) -> int:
         """The tokens an event adds to the running count (a BPE merge can't make it negative)."""
@@ -344,6 +407,7 @@ class ResponseMeter:
         self.retry_due = False
         if grant.granted > 0:
             self.leased += grant.granted
+            self._lease_due = lease_due_at(self.leased, self.batch, self.max_output)
             self.states = grant.states or self.states
         elif grant.others_open > 0 and self.refusals < self._refusal_retries:
             # A budget full of others' unused leases is not used up: ask again for up to

@@ -174,6 +174,20 @@ class SseReassembler:
         """Bytes received but not yet returned in an event."""
         return bytes(self._buf)
 
+    def lone_data(self, chunk: bytes) -> bytes | None:
+        """The data of ``chunk`` when it is exactly one ``data:`` line and a blank line and
+        nothing is held back (so ``feed`` would return that one event and keep no state);
+        None otherwise. Consumes nothing: the caller either forwards ``chunk`` whole as that
+        event or hands it to ``feed``."""
+        if self._buf or self._skip is None or self._closed or len(chunk) > self._max:
+            return None
+        if type(chunk) is not bytes:
+            return None
+        content_end = _lone_data_line_end(chunk, b"\r" in chunk)
+        if content_end <= 0:
+            return None
+        return chunk[6 if chunk[5] == 0x20 else 5 : content_end]
+
     def feed(self, chunk: bytes) -> list[SseEvent]:
         """Return the events that ``chunk`` completes, in stream order."""
         if self._closed:

@@ -2,16 +2,17 @@
 
 Each operation is one Lua script (``lua/*.lua``) so that check-and-charge is atomic across
 processors and replicas, and windows come from the Redis ``TIME`` of the server that holds
-the counters, never from a processor's clock. redis-py's ``Script`` sends EVALSHA and, on
-NOSCRIPT (a restarted or failed-over server), loads the script and retries once.
+the counters, never from a processor's clock. The scripts run on one pipelined connection
+(``extproc.quota.resp``: a tenth of redis-py's CPU per call); EVALSHA, and on NOSCRIPT (a
+restarted or failed-over server) EVAL, which loads the script again. redis-py's client
+serves what is off the hot path (the orphan reconciler, the absorb script).
 
 Failures. Every script call is bounded by ``command_timeout_s`` (pool wait, connect, the
 retry and the reply together) and raises ``QuotaTimeout`` when it expires; any other failure
-to get an answer raises ``QuotaUnavailable``. A connection error is retried once, at once,
-on the same (reconnected) connection: every script is idempotent on its record key (and
-``seq``), and a pooled connection that sat through a Redis restart fails once when next
-used. A call cut off by the deadline leaves no half-read reply behind: redis-py disconnects
-a connection whose send or read is interrupted, so it reconnects on its next use.
+to get an answer raises ``QuotaUnavailable``. A lost connection is retried once, at once,
+on a new connection: every script is idempotent on its record key (and ``seq``), and a
+connection that sat through a Redis restart fails once when next used. A call cut off by
+the deadline leaves no stale reply behind: its reply is read and dropped in turn.
 
 Ownership. Each backend instance is one processor identity (``owner_id``): admit.lua stores
 it in every admitted record (one more ARGV, no extra call). Once ``track_open_reservations``
@@ -27,7 +28,7 @@ import asyncio
 import os
 import secrets
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from importlib import resources
 from typing import Any, Literal, TypeVar
 
@@ -54,6 +55,7 @@ from extproc.quota.base import (
 )
 from extproc.quota.keys import open_count_key
 from extproc.quota.orphans import OpenReservations
+from extproc.quota.resp import RespConnection, Script
 
 T = TypeVar("T")
 # What ``settle_orphan`` found: settled now, settled before (by its owner or a peer), no
@@ -126,6 +128,7 @@ class RedisQuotaBackend:
     def __init__(
         self,
         client: aioredis.Redis,
+        scripts: RespConnection,
         command_timeout_s: float | None = None,
         *,
         owner_id: str | None = None,
@@ -139,14 +142,15 @@ class RedisQuotaBackend:
         if owner_id == "":
             raise ValueError("owner_id must be non-empty")
         self._client = client
+        self._scripts = scripts
         self._command_timeout_s = command_timeout_s
         self.owner_id = owner_id or new_owner_id()
         self.settled_ttl_s = settled_ttl_s
         # Set by ``track_open_reservations``; None: nothing is tracked (no cost at all).
         self.open_reservations: OpenReservations | None = None
-        self._admit = client.register_script(load_lua("admit.lua"))
-        self._reserve = client.register_script(load_lua("reserve.lua"))
-        self._settle = client.register_script(load_lua("settle.lua"))
+        self._admit = Script(load_lua("admit.lua"))
+        self._reserve = Script(load_lua("reserve.lua"))
+        self._settle = Script(load_lua("settle.lua"))
 
     @classmethod
     def from_url(
@@ -160,6 +164,7 @@ class RedisQuotaBackend:
         socket_timeout_s: float | None = 5.0,
         connect_timeout_s: float = 2.0,
         command_timeout_s: float | None = None,
+        connection_retries: int = 1,
         owner_id: str | None = None,
         settled_ttl_s: int = SETTLED_TTL_S,
         **connection_options: Any,
@@ -170,8 +175,10 @@ class RedisQuotaBackend:
         in config files). The pool blocks when all ``max_connections`` are busy instead of
         opening unbounded connections under a burst; hiredis parses replies when installed.
         ``command_timeout_s`` bounds each admit/reserve/settle/cancel call as a whole
-        (``QuotaTimeout``); ``None`` leaves only the socket and pool timeouts. Extra options
-        (``ssl_ca_certs``, ``ssl_cert_reqs``, ``retry``, ...) go to each connection.
+        (``QuotaTimeout``); ``None`` leaves only the socket and pool timeouts. A lost
+        connection is retried ``connection_retries`` times. Extra options (``ssl_ca_certs``,
+        ``ssl_cert_reqs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_check_hostname``) go to
+        both clients; ``max_connections`` bounds redis-py's pool (off the hot path).
         """
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"not a Redis URL (redis://, rediss://, unix://): {url!r}")
@@ -193,8 +200,18 @@ class RedisQuotaBackend:
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=pool_timeout_s, **options
         )
+        scripts = RespConnection.from_url(
+            url,
+            username=username,
+            password=password,
+            connect_timeout_s=connect_timeout_s,
+            socket_timeout_s=socket_timeout_s,
+            retries=connection_retries,
+            **{k: v for k, v in connection_options.items() if k.startswith("ssl_")},
+        )
         return cls(
             aioredis.Redis.from_pool(pool),
+            scripts,
             command_timeout_s=command_timeout_s,
             owner_id=owner_id,
             settled_ttl_s=settled_ttl_s,
@@ -211,11 +228,11 @@ class RedisQuotaBackend:
             self.open_reservations = OpenReservations()
         return self.open_reservations
 
-    async def _call(self, operation: str, call: Callable[[], Awaitable[T]]) -> T:
+    async def _call(self, operation: str, call: Awaitable[T]) -> T:
         """Run one script call under the deadline, mapping failures to the quota errors."""
         try:
             async with asyncio.timeout(self._command_timeout_s):
-                return await call()
+                return await call
         except TimeoutError as exc:  # the deadline (builtin TimeoutError, an OSError)
             within = f" within {self._command_timeout_s}s" if self._command_timeout_s else ""
             raise QuotaTimeout(f"quota {operation} got no answer{within}") from exc
@@ -245,7 +262,7 @@ class RedisQuotaBackend:
             open_count_key(request.reservation_key),
         ]
         replayed, verdict, now_s, now_us, cancelled, retry_soon = await self._call(
-            "admit", lambda: self._admit(keys=keys, args=args)
+            "admit", self._scripts.run_script(self._admit, keys, args)
         )
         if retry_soon:
             return Verdict(admitted=False, retry_soon=True)
@@ -271,7 +288,7 @@ class RedisQuotaBackend:
         for counter in token_counters:
             args += (counter.limit, counter.window_s)
         keys = [reservation_key, *(c.key for c in token_counters), open_count_key(reservation_key)]
-        reply = await self._call("reserve", lambda: self._reserve(keys=keys, args=args))
+        reply = await self._call("reserve", self._scripts.run_script(self._reserve, keys, args))
         status, granted, now_s, now_us = reply[:4]
         if status in ("not_admitted", "settled"):
             return Grant(granted=0)
@@ -295,7 +312,9 @@ class RedisQuotaBackend:
         windows.check_settle(used, token_counters)
         args = self._settle_args(used, _MODE_SETTLE, RECORD_TTL_S, token_counters)
         keys = [reservation_key, *(c.key for c in token_counters), open_count_key(reservation_key)]
-        already, summary = await self._call("settle", lambda: self._settle(keys=keys, args=args))
+        already, summary = await self._call(
+            "settle", self._scripts.run_script(self._settle, keys, args)
+        )
         self._closed(reservation_key)
         return _settlement(already, summary)
 
@@ -325,7 +344,9 @@ class RedisQuotaBackend:
         windows.check_cancel(tombstone_ttl_s, token_counters)
         args = self._settle_args(0, _MODE_CANCEL, tombstone_ttl_s, token_counters)
         keys = [reservation_key, *(c.key for c in token_counters), open_count_key(reservation_key)]
-        already, summary = await self._call("cancel", lambda: self._settle(keys=keys, args=args))
+        already, summary = await self._call(
+            "cancel", self._scripts.run_script(self._settle, keys, args)
+        )
         self._closed(reservation_key)
         return _settlement(already, summary)
 
@@ -351,7 +372,7 @@ class RedisQuotaBackend:
         ]
         keys = [reservation_key, open_count_key(reservation_key)]
         code, summary = await self._call(
-            "settle_orphan", lambda: self._settle(keys=keys, args=args)
+            "settle_orphan", self._scripts.run_script(self._settle, keys, args)
         )
         status = _ORPHAN_STATUS[int(code)]
         if status in ("settled", "already_settled"):
@@ -360,9 +381,10 @@ class RedisQuotaBackend:
 
     async def ping(self) -> bool:
         try:
-            return bool(await self._call("ping", self._client.ping))
+            return await self._call("ping", self._scripts.execute("PING")) == "PONG"
         except QuotaUnavailable:
             return False
 
     async def close(self) -> None:
+        await self._scripts.close()
         await self._client.aclose()

@@ -471,7 +471,7 @@ class ResilientQuotaBackend:
         args: list[Any] = [RECORD_TTL_S, windows.EXPIRY_MARGIN_S]
         for _, window_s, start, amount in op.entries:
             args += (window_s, start, amount)
-        return await self.primary._call("absorb", lambda: self._absorb_script(keys=keys, args=args))
+        return await self.primary._call("absorb", self._absorb_script(keys=keys, args=args))
 
     # -- queue -----------------------------------------------------------------------------
 

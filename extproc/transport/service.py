@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from time import monotonic
 
 import grpc
 import structlog
@@ -64,7 +65,12 @@ class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
                 request = await context.read()
                 if request is grpc.aio.EOF:
                     break
-                session.last_activity = time.monotonic()
+                session.last_activity = monotonic()
+                # Most messages are answered here, without a coroutine of their own.
+                response = session.answer_now(request)
+                if response is not None:
+                    await stream.write(response)
+                    continue
                 session.busy = True
                 if request.HasField("response_trailers"):
                     tail = await session.on_trailers()

@@ -12,6 +12,7 @@ from extproc.billing.lease import (
     ADMISSION_CAP,
     cover_lease,
     first_lease,
+    lease_due_at,
     lease_target,
     next_lease,
 )
@@ -171,3 +172,12 @@ def test_one_batch_in_hand_before_the_first_token_property(batch: int, max_outpu
     leased += next_lease(leased, 0, batch, max_output)  # the first event, before any token
     assert leased == min(batch, max_output)
     assert next_lease(leased, 0, batch, max_output) == 0
+
+
+@given(leased=counts, delivered=counts, batch=batches, max_output=outputs)
+def test_lease_due_at_is_exactly_where_next_lease_starts_asking(
+    leased: int, delivered: int, batch: int, max_output: int
+) -> None:
+    due = lease_due_at(leased, batch, max_output)
+    due_now = due is not None and delivered >= due
+    assert due_now == (next_lease(leased, delivered, batch, max_output) > 0)

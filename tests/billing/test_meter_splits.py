@@ -67,9 +67,13 @@ def recorded_stream(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 
 
 async def bill(
-    redis_url: str, plan: str, stream: bytes, cuts: list[int]
+    redis_url: str, plan: str, stream: bytes, cuts: list[int], now_first: bool = False
 ) -> tuple[bytes, int, bool]:
-    """Feed ``stream`` cut at ``cuts``; return forwarded bytes, tokens charged, stream cut."""
+    """Feed ``stream`` cut at ``cuts``; return forwarded bytes, tokens charged, stream cut.
+
+    ``now_first``: each message is offered to ``on_body_now`` first, as the transport does,
+    and goes to ``on_body`` only when declined; else ``on_body`` alone (the general path).
+    """
     config = parse_config(config_doc(redis_url))
     backend = RedisQuotaBackend.from_url(redis_url)
     runtime = Runtime(config, backend)
@@ -83,7 +87,12 @@ async def bill(
         ended = False
         for i, (start, end) in enumerate(itertools.pairwise(bounds)):
             last = i == len(bounds) - 2
-            forwarded, ended = await meter.on_body(stream[start:end], last)
+            message = stream[start:end]
+            now = meter.on_body_now(message, last) if now_first else None
+            if now is not None:
+                out += now
+                continue
+            forwarded, ended = await meter.on_body(message, last)
             out += forwarded or b""
             if ended and not last:
                 break
@@ -128,8 +137,23 @@ def test_any_split_gives_the_same_forwarded_bytes_and_the_same_bill(
 ) -> None:
     cuts = data.draw(cut_points(len(recorded_stream)))
     plan = data.draw(st.sampled_from(["roomy", "tight"]))
+    now_first = data.draw(st.booleans())
     reference = asyncio.run(bill(redis_server.url, plan, recorded_stream, []))
-    assert asyncio.run(bill(redis_server.url, plan, recorded_stream, cuts)) == reference
+    assert asyncio.run(bill(redis_server.url, plan, recorded_stream, cuts, now_first)) == reference
     if plan == "tight":
         assert reference[2], "a 100-token budget must cut a 120-token answer"
         assert reference[1] == 100
+
+
+@pytest.mark.parametrize("plan", ["roomy", "tight"])
+def test_one_event_per_message_billed_without_awaiting_matches_the_general_path(
+    redis_server: RedisServer, recorded_stream: bytes, plan: str
+) -> None:
+    """The message shape nearly every stream has, through the path the transport takes for
+    it (``on_body_now``, the cut-off included): same bytes, same bill as one whole message."""
+    ends = [i + 2 for i in range(len(recorded_stream)) if recorded_stream.startswith(b"\n\n", i)]
+    cuts = [end for end in ends if end < len(recorded_stream)]
+    reference = asyncio.run(bill(redis_server.url, plan, recorded_stream, []))
+    general = asyncio.run(bill(redis_server.url, plan, recorded_stream, cuts))
+    now_first = asyncio.run(bill(redis_server.url, plan, recorded_stream, cuts, now_first=True))
+    assert general == now_first == reference
