@@ -55,6 +55,8 @@ UPSTREAM_UNREADABLE = ApiError(
 
 class Session:
     __slots__ = (
+        "_body_answer",
+        "_body_streamed",
         "admitted",
         "busy",
         "client_request_id",
@@ -80,6 +82,12 @@ class Session:
         self.upstream_status = 0
         self.last_activity = 0.0
         self.busy = False  # a message is being handled: the idle watchdog waits
+        # ``answer_now``'s response, built once and refilled per message (5 µs → 0.6 µs):
+        # the stream writes one message at a time, serialised before the write returns.
+        self._body_answer = msg.stream_response_body(b"", False)
+        self._body_streamed = (
+            self._body_answer.response_body.response.body_mutation.streamed_response
+        )
 
     @property
     def finished(self) -> bool:
@@ -118,7 +126,8 @@ class Session:
         if out is None:
             return None
         self.runtime.metrics.body_messages_total += 1
-        return msg.stream_response_body(out, False)
+        self._body_streamed.body = out
+        return self._body_answer
 
     async def handle(self, request: msg.ProcessingRequest) -> msg.ProcessingResponse | None:
         """Answer one message; None means nothing is to be sent (stream already ended)."""
