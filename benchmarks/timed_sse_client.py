@@ -27,6 +27,7 @@ class TimedStream:
     arrivals: list[float] = field(default_factory=list)  # wall clock, s, per token event
     complete: bool = False  # the response ended with its terminating chunk
     saw_done: bool = False
+    timed_out: bool = False  # given up after ``timeout_s`` (``complete`` stays False)
 
 
 def chat_request(path: str, payload: dict, request_id: str, api_key: str | None = None) -> bytes:
@@ -127,8 +128,14 @@ class _TimedSseProtocol(asyncio.Protocol):
         self._finish()
 
 
-async def timed_stream(port: int, request: bytes, request_id: str) -> TimedStream:
-    """One request on a fresh connection; the connect happens before the send time."""
+async def timed_stream(
+    port: int, request: bytes, request_id: str, timeout_s: float | None = None
+) -> TimedStream:
+    """One request on a fresh connection; the connect happens before the send time.
+
+    ``timeout_s``: give up on a response not finished that long after the send; the stream
+    comes back with ``timed_out`` set and what had arrived so far.
+    """
     loop = asyncio.get_running_loop()
     result = TimedStream(request_id)
     done: asyncio.Future[None] = loop.create_future()
@@ -138,7 +145,9 @@ async def timed_stream(port: int, request: bytes, request_id: str) -> TimedStrea
     result.sent_at = time.time()
     transport.write(request)
     try:
-        await done
+        await asyncio.wait_for(done, timeout_s)
+    except TimeoutError:
+        result.timed_out = True
     finally:
         transport.close()
     return result
