@@ -47,8 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         "--workers",
         type=int,
         default=1,
-        help="processes on consecutive ports from --listen (and --metrics-listen); list them "
-        "all in Envoy's processor cluster",
+        help="worker processes, all on the one --listen port (SO_REUSEPORT: the kernel "
+        "spreads connections among them), so Envoy's processor cluster lists one endpoint "
+        "and needs max_requests_per_connection (e.g. 100) to spread its few long-lived "
+        "HTTP/2 connections. Needs a Redis redis_url (memory:// would count per worker) and "
+        "a fixed port. Worker i serves /metrics on the --metrics-listen port + i: scrape "
+        "each. A worker that dies is restarted; SIGTERM/SIGINT drain them all",
     )
     check = sub.add_parser("check-config", help="validate a config, print its normal form and hash")
     check.add_argument("config")
@@ -84,8 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         print("--workers must be at least 1", file=sys.stderr)
         return 2
     if args.workers > 1:
-        from extproc.transport.workers import supervise
+        from extproc.transport.workers import refusal, supervise
 
+        # Refused before any worker starts: N in-memory counters multiply every limit by N.
+        problem = refusal(args.workers, config.listen, config.redis_url, args.metrics_listen)
+        if problem is not None:
+            print(f"extproc: {problem}", file=sys.stderr)
+            return 2
         shared = ["--config", args.config, "--log-level", args.log_level]
         if args.redis_url:
             shared += ["--redis-url", args.redis_url]

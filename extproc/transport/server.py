@@ -60,6 +60,7 @@ async def serve(config: Config, metrics_listen: str | None = None) -> None:
             ("grpc.max_concurrent_streams", 10000),
             ("grpc.max_receive_message_length", 16 << 20),
             ("grpc.max_send_message_length", 16 << 20),
+            ("grpc.so_reuseport", 1),  # --workers: N processes share the listen port
         ]
     )
     service = ExternalProcessorService(runtime)

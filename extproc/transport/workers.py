@@ -1,17 +1,63 @@
-"""Several processor processes for one Envoy, one per core, on consecutive ports.
+"""``extproc serve --workers N``: N processor processes sharing ONE listening port.
 
 One CPython process tops out at a few thousand ext_proc messages per second (grpc.aio's
-own cost per message dominates), so a busy Envoy gets N workers and lists N endpoints in
-its processor cluster; Envoy balances streams across them. Workers share nothing but
-Redis, exactly like replicas behind different Envoys.
+own cost per message dominates), so a busy Envoy gets N workers. Each worker is a whole
+processor (its own process, event loop, Redis connections, heartbeat and /metrics) and
+binds the same ``--listen`` address with SO_REUSEPORT (grpc's ``grpc.so_reuseport``, on
+by default in grpc core), so Envoy's processor cluster lists ONE endpoint and the kernel
+hands each new connection to one of the workers. Workers share nothing but Redis, exactly
+like replicas behind different Envoys, so ``memory://`` (one counter per process: every
+limit × N) is refused, and so is port 0 (each worker would get a port of its own).
+
+The kernel balances connections, not streams, and Envoy multiplexes every stream to the
+processor on a few long-lived HTTP/2 connections (one per Envoy worker thread; more only
+past the peer's concurrent-stream limit, 10000 here). Measured with Envoy 1.40 and two
+workers: with the shipped cluster all 400 streams of a run went to one worker (one
+connection); ``--concurrency 2`` opened two connections and both landed on the same worker
+in both runs. The knob is the processor cluster's ``max_requests_per_connection`` (in
+``common_http_protocol_options``): Envoy retires a connection after that many streams and
+its successor lands on a worker the kernel picks. At 100, 400 streams split 200/200 (and
+once 100/300 at one stream in flight) with the processor's CPU per request unchanged
+(1.4–2.7 ms, as without it); at 1 (a connection per stream) the split is even stream by
+stream but each request costs the processor ~1 ms more CPU. tests/gateway/test_workers.py
+uses 1, so that 20 requests reach both workers.
+
+Prometheus must scrape each worker (a scrape of a shared port would reach a random one),
+so worker ``i`` serves /metrics on ``--metrics-listen`` port + ``i``.
+
+The supervisor, like gunicorn's arbiter: SIGTERM/SIGINT are passed to every worker so
+each drains as a lone processor does; a worker that exits while nobody asked it to is
+started again (logged), after a delay that doubles with each death of a worker that had
+not yet run ``STABLE_S`` — and after ``MAX_QUICK_DEATHS`` such deaths in a row the
+supervisor stops the others and exits 1 (a worker crashing at start never spins). A
+clean stop exits 0.
 """
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from types import FrameType
+
+import structlog
+
+log = structlog.get_logger("extproc.workers")
+
+STABLE_S = 30.0  # a worker that ran this long before dying had started fine
+FIRST_RESTART_DELAY_S = 0.5
+MAX_RESTART_DELAY_S = 8.0
+MAX_QUICK_DEATHS = 5  # in a row, for one worker: 0.5 + 1 + 2 + 4 + 8 s of trying
+TICK_S = 0.1  # how often the supervisor looks at its workers
+PR_SET_PDEATHSIG = 1
+
+
+def _port(address: str) -> int | None:
+    _, _, port = address.rpartition(":")
+    return int(port) if port.isdigit() else None
 
 
 def _shift(address: str, offset: int) -> str:
@@ -19,25 +65,148 @@ def _shift(address: str, offset: int) -> str:
     return f"{host}:{int(port) + offset}"
 
 
+def refusal(workers: int, listen: str, redis_url: str, metrics: str | None) -> str | None:
+    """Why ``workers`` > 1 workers can't run with these settings, or None if they can."""
+    if redis_url.startswith("memory://"):
+        return (
+            f"--workers {workers} needs a shared quota backend, but redis_url is memory://: "
+            f"each worker would count alone and every limit would be multiplied by {workers}. "
+            "Set redis_url (or --redis-url) to a Redis, or run one worker."
+        )
+    if _port(listen) == 0:
+        return (
+            f"--workers {workers} share one listen port, but {listen} asks each worker for a "
+            "port of its own (port 0): give --listen a fixed port."
+        )
+    if metrics is not None:
+        first = _port(metrics)
+        if first is None or first == 0 or first + workers - 1 > 65535:
+            return (
+                f"--metrics-listen {metrics} with --workers {workers}: worker i serves "
+                "/metrics on that port + i, so it needs a fixed port with room for "
+                f"{workers} consecutive ports."
+            )
+    return None
+
+
 def worker_argv(argv: list[str], index: int, listen: str, metrics: str | None) -> list[str]:
-    """The serve command line of worker ``index``: its own gRPC and metrics ports."""
+    """The serve command line of worker ``index``: the shared gRPC port, its metrics port."""
     out = [sys.executable, "-m", "extproc", "serve", *argv, "--workers", "1"]
-    out += ["--listen", _shift(listen, index)]
+    out += ["--listen", listen]
     if metrics:
         out += ["--metrics-listen", _shift(metrics, index)]
     return out
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM (drain) when the supervisor dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class _Slot:
+    index: int
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    quick_deaths: int = 0
+    restart_at: float | None = None  # None: start at the next look
+
+    def start(self) -> None:
+        # Its own process group: a terminal's Ctrl-C reaches the supervisor only, which
+        # passes it on once (a worker still starting, with no handler yet, dies of it —
+        # holding no stream).
+        self.proc = subprocess.Popen(self.argv, process_group=0, preexec_fn=_die_with_parent)
+        self.started_at = time.monotonic()
+        log.info("worker_started", worker=self.index, pid=self.proc.pid)
+
+
+def _exit_code(code: int, forwarded: set[int]) -> int:
+    # A worker killed by the very signal it was passed had not installed its handlers yet:
+    # it was still starting, held no stream, and stopped as asked.
+    if code < 0 and -code in forwarded:
+        return 0
+    return code if code >= 0 else 128 - code
+
+
 def supervise(argv: list[str], workers: int, listen: str, metrics: str | None) -> int:
-    """Run the workers until they exit; SIGTERM/SIGINT are passed on so each drains."""
-    children = [subprocess.Popen(worker_argv(argv, i, listen, metrics)) for i in range(workers)]
+    """Run ``workers`` workers until told to stop (SIGTERM/SIGINT); the exit code."""
+    slots = [_Slot(i, worker_argv(argv, i, listen, metrics)) for i in range(workers)]
+    received: list[int] = []  # signals not yet passed on
+    forwarded: set[int] = set()
 
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
+    # The handler only notes the signal; the loop passes it on, so a worker being started
+    # while it arrives is not missed.
+    def note(signum: int, _frame: FrameType | None) -> None:
+        received.append(signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    codes = [child.wait() for child in children]
-    return max(codes, key=abs)
+    signal.signal(signal.SIGTERM, note)
+    signal.signal(signal.SIGINT, note)
+    log.info(
+        "workers_starting",
+        workers=workers,
+        listen=listen,
+        metrics=[_shift(metrics, i) for i in range(workers)] if metrics else None,
+    )
+    failed = False
+    finals: dict[int, int] = {}  # worker -> exit code after the stop began
+    while True:
+        while received:
+            signum = received.pop(0)
+            if not forwarded:
+                log.info("workers_stopping", signal=signal.Signals(signum).name)
+            forwarded.add(signum)
+            for slot in slots:
+                if slot.proc is not None and slot.proc.poll() is None:
+                    slot.proc.send_signal(signum)
+        stopping = bool(forwarded)
+        now = time.monotonic()
+        running = 0
+        for slot in slots:
+            if slot.proc is None:
+                if not stopping and (slot.restart_at is None or now >= slot.restart_at):
+                    slot.start()
+                    running += 1
+                continue
+            code = slot.proc.poll()
+            if code is None:
+                running += 1
+                continue
+            pid, slot.proc = slot.proc.pid, None
+            if stopping:
+                finals[slot.index] = _exit_code(code, forwarded)
+                continue
+            lived = now - slot.started_at
+            slot.quick_deaths = slot.quick_deaths + 1 if lived < STABLE_S else 1
+            if slot.quick_deaths > MAX_QUICK_DEATHS:
+                log.error(
+                    "worker_keeps_dying",
+                    worker=slot.index,
+                    pid=pid,
+                    code=code,
+                    deaths=MAX_QUICK_DEATHS + 1,
+                    detail="giving up: stopping the other workers",
+                )
+                failed = True
+                received.append(signal.SIGTERM)
+                continue
+            delay = min(MAX_RESTART_DELAY_S, FIRST_RESTART_DELAY_S * 2 ** (slot.quick_deaths - 1))
+            slot.restart_at = now + delay
+            log.warning(
+                "worker_died",
+                worker=slot.index,
+                pid=pid,
+                code=code,
+                ran_s=round(lived, 1),
+                restart_in_s=delay,
+            )
+        if stopping and running == 0:
+            break
+        time.sleep(TICK_S)
+
+    # A worker waiting to be restarted when the stop came has no final code: its death was
+    # already handled.
+    code = 1 if failed else max(finals.values(), default=0, key=abs)
+    log.info("workers_stopped", code=code, codes=[finals.get(i) for i in range(workers)])
+    return code
