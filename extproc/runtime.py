@@ -106,4 +106,5 @@ class Runtime:
     async def close(self) -> None:
         if self.liveness is not None:
             await self.liveness.stop()  # after drain: the last settlements are registered
+        self.admission.close()  # the prompt-counting worker thread
         await self.backend.close()

@@ -16,7 +16,7 @@ or ``"max_tokens"`` key cannot make it serve another model or a longer answer). 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import orjson
@@ -61,15 +61,26 @@ def _positive_int(body: dict[str, Any], field: str) -> int | None:
 
 
 def parse_model_request(endpoint: Endpoint, raw: bytes, config: Config) -> ModelRequest:
+    """The parsed, validated and rewritten body; ``new_body`` is its re-serialised form."""
+    return serialise(parse_unserialised(endpoint, raw, config))
+
+
+def serialise(request: ModelRequest) -> ModelRequest:
+    return replace(request, new_body=orjson.dumps(request.body))
+
+
+def parse_unserialised(endpoint: Endpoint, raw: bytes, config: Config) -> ModelRequest:
+    """``parse_model_request`` but for the re-serialising (``new_body`` empty until
+    ``serialise``). Parsing and serialising each hold the GIL a few ms per MiB of mixed
+    scripts: admission lets the event loop run between the two for a big body."""
     if len(raw) > config.max_body_bytes:
         raise too_large(config.max_body_bytes)
     try:
-        # Decoded first so a body that is not UTF-8 is named as such, with the bad byte.
-        body = orjson.loads(decode_utf8(raw))
-    except MalformedRequest as exc:
-        raise invalid_request(str(exc), "invalid_encoding") from exc
-    except orjson.JSONDecodeError as exc:
-        raise invalid_request(f"The request body is not valid JSON: {exc}", "invalid_json") from exc
+        # orjson reads the bytes as they came (and validates UTF-8 itself): decoding them to a
+        # str first cost a decode and orjson's re-encode, ~2.5 ms per MiB under the GIL.
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        body = _parse_refused(raw)
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.", "invalid_json")
 
@@ -139,8 +150,20 @@ def parse_model_request(endpoint: Endpoint, raw: bytes, config: Config) -> Model
         client_wants_usage=client_wants_usage,
         max_tokens=effective,
         choices=choices,
-        new_body=orjson.dumps(body),
+        new_body=b"",
     )
+
+
+def _parse_refused(raw: bytes) -> Any:
+    """The error for a body orjson refused, as it was named when bodies were decoded first:
+    a body that is not UTF-8 is named as such with the bad byte, other errors as JSON ones
+    (positions in characters). Both parsers accept exactly the valid UTF-8 (tested)."""
+    try:
+        return orjson.loads(decode_utf8(raw))
+    except MalformedRequest as exc:
+        raise invalid_request(str(exc), "invalid_encoding") from exc
+    except orjson.JSONDecodeError as exc:
+        raise invalid_request(f"The request body is not valid JSON: {exc}", "invalid_json") from exc
 
 
 def _prompt_count(body: dict[str, Any]) -> int:

@@ -36,6 +36,9 @@ class ModelTokenizer:
     family: str
     backend: TextTokenizer | TokenEstimator
     count: Callable[[str], int] = field(init=False, repr=False)
+    # The same count for big texts, run off the event loop: holds the GIL as little as the
+    # backend allows (no list of ids built). The estimator's is its ``count``.
+    count_large: Callable[[str], int] = field(init=False, repr=False)
     # Counts of short, boundary-aligned stream deltas (" the", ",", "\n"): they repeat a lot,
     # and a dict hit is several times cheaper than a call into the tokenizer.
     delta_counts: dict[str, int] = field(default_factory=dict, repr=False)
@@ -50,6 +53,7 @@ class ModelTokenizer:
                 f"unknown tokenizer family {self.family!r}; expected one of {FAMILIES}"
             )
         self.count = self.backend.count
+        self.count_large = self.backend.count_large
 
     @property
     def exact(self) -> bool:

@@ -33,12 +33,19 @@ part and tool-call counts are capped, and the text counted is never more than th
 itself, so cost is linear in the body size the transport already limited. The texts are
 summed through ``TokenTally``, which counts them with one tokenizer call where that is
 provably the same number (``extproc.tokens.tally``).
+
+The walk (``prompt_texts``) is a generator that validates the body, collects the texts and
+yields after every ``WALK_STEP`` messages, parts, tool calls or prompts (``ID_STEP`` token
+ids): ``count_prompt_tokens`` runs it straight through, admission can let the event loop
+run at each yield and count a big prompt's texts off the loop
+(``extproc.tokens.offload``). Both give the same number.
 """
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import orjson
 
@@ -46,9 +53,23 @@ from extproc.tokens.errors import MalformedRequest
 from extproc.tokens.model_tokenizer import ModelTokenizer
 from extproc.tokens.tally import TokenTally
 
-__all__ = ["CHAT_OVERHEAD", "Limits", "MalformedRequest", "count_prompt_tokens"]
+__all__ = [
+    "CHAT_OVERHEAD",
+    "Limits",
+    "MalformedRequest",
+    "PromptTexts",
+    "count_prompt_tokens",
+    "prompt_texts",
+]
 
 DEFAULT_IMAGE_TOKENS: Final = 765  # OpenAI's cost of a 512x512 tile-pair "high" image
+# The walk yields after this many messages / parts / tool calls / prompts (~1 ms of work
+# at most between yields), and after this many token ids of a pre-tokenized prompt.
+WALK_STEP: Final = 1024
+ID_STEP: Final = 16384
+
+_T = TypeVar("_T")
+Walk = Generator[None, None, _T]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +132,22 @@ def _require_str(value: object, where: str) -> str:
     return value
 
 
+@dataclass(slots=True)
+class PromptTexts:
+    """A walked body: tokens known without the tokenizer, and the texts it has to count."""
+
+    flat: int  # template overhead, attachments, client-tokenized prompts
+    tally: TokenTally
+
+    @property
+    def chars(self) -> int:
+        """Characters the tokenizer will read: what counting them costs."""
+        return self.tally.chars
+
+    def total(self) -> int:
+        return self.flat + self.tally.total()
+
+
 def count_prompt_tokens(
     body: dict[str, Any],
     tok: ModelTokenizer,
@@ -123,18 +160,43 @@ def count_prompt_tokens(
     Raises MalformedRequest when the body does not have the OpenAI shape; the message
     names the field (``messages[3].content must be a string or an array of content parts``).
     """
+    walk = prompt_texts(body, tok, image_tokens=image_tokens, limits=limits)
+    return run_through(walk).total()
+
+
+def run_through(walk: Walk[_T]) -> _T:
+    """A walk run to its end without pausing: its result."""
+    try:
+        while True:
+            next(walk)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+def prompt_texts(
+    body: dict[str, Any],
+    tok: ModelTokenizer,
+    *,
+    image_tokens: int = DEFAULT_IMAGE_TOKENS,
+    limits: Limits = DEFAULT_LIMITS,
+) -> Walk[PromptTexts]:
+    """The walk of ``count_prompt_tokens``, as a generator that pauses every ``WALK_STEP``
+    items; its result holds the texts still to count. Raises MalformedRequest as it goes."""
     if not isinstance(body, dict):
         raise MalformedRequest(f"request body must be a JSON object, got {_type_name(body)}")
+    tally = TokenTally(tok)
     if "messages" in body:
-        return _count_chat(body, tok, image_tokens, limits)
-    if "prompt" in body:
-        return _count_completion(body, tok, limits)
-    raise MalformedRequest("'messages' (chat) or 'prompt' (completions) is required")
+        flat = yield from _count_chat(body, tok, tally, image_tokens, limits)
+    elif "prompt" in body:
+        flat = yield from _count_completion(body, tally, limits)
+    else:
+        raise MalformedRequest("'messages' (chat) or 'prompt' (completions) is required")
+    return PromptTexts(flat, tally)
 
 
 def _count_chat(
-    body: dict[str, Any], tok: ModelTokenizer, image_tokens: int, limits: Limits
-) -> int:
+    body: dict[str, Any], tok: ModelTokenizer, tally: TokenTally, image_tokens: int, limits: Limits
+) -> Walk[int]:
     messages = body["messages"]
     if not isinstance(messages, list):
         raise MalformedRequest(f"messages must be an array, got {_type_name(messages)}")
@@ -143,10 +205,11 @@ def _count_chat(
     if len(messages) > limits.max_messages:
         raise MalformedRequest(f"messages has {len(messages)} items; at most {limits.max_messages}")
     overhead = CHAT_OVERHEAD[tok.family]
-    tally = TokenTally(tok)
     budget = _PartBudget(limits)
     total = overhead.reply_priming + overhead.per_message * len(messages)
     for i, message in enumerate(messages):
+        if i % WALK_STEP == WALK_STEP - 1:
+            yield
         if not isinstance(message, dict):
             raise MalformedRequest(f"messages[{i}] must be an object, got {_type_name(message)}")
         role = message.get("role")
@@ -157,7 +220,7 @@ def _count_chat(
         if isinstance(content, str):
             tally.add(content)
         elif isinstance(content, list):
-            total += _count_parts(content, f"messages[{i}]", tally, image_tokens, budget)
+            total += yield from _count_parts(content, f"messages[{i}]", tally, image_tokens, budget)
         elif content is not None or role != "assistant":
             # Only an assistant turn (one that calls tools) may have null content.
             raise MalformedRequest(
@@ -165,9 +228,11 @@ def _count_chat(
             )
         # Most messages are just role and content; only look for the rest when present.
         if len(message) > (2 if "content" in message else 1):
-            total += _count_message_extras(message, f"messages[{i}]", tally, overhead, budget)
+            total += yield from _count_message_extras(
+                message, f"messages[{i}]", tally, overhead, budget
+            )
     total += _count_tools(body, tally, overhead, limits)
-    return total + tally.total()
+    return total
 
 
 def _count_message_extras(
@@ -176,7 +241,7 @@ def _count_message_extras(
     tally: TokenTally,
     overhead: ChatOverhead,
     budget: _PartBudget,
-) -> int:
+) -> Walk[int]:
     """Name, tool calls, legacy function call, tool call id and refusal of one message."""
     total = 0
     name = message.get("name")
@@ -185,7 +250,7 @@ def _count_message_extras(
         total += overhead.per_name
     tool_calls = message.get("tool_calls")
     if tool_calls is not None:
-        total += _count_tool_calls(tool_calls, where, tally, overhead, budget)
+        total += yield from _count_tool_calls(tool_calls, where, tally, overhead, budget)
     function_call = message.get("function_call")
     if function_call is not None:
         _count_call(function_call, f"{where}.function_call", tally)
@@ -230,11 +295,13 @@ def _count_parts(
     tally: TokenTally,
     image_tokens: int,
     budget: _PartBudget,
-) -> int:
+) -> Walk[int]:
     """Adds the text parts to ``tally``; returns the flat cost of the attachments."""
     budget.take_parts(len(parts), f"{where}.content")
     total = 0
     for j, part in enumerate(parts):
+        if j % WALK_STEP == WALK_STEP - 1:
+            yield
         at = f"{where}.content[{j}]"
         if not isinstance(part, dict):
             raise MalformedRequest(f"{at} must be an object, got {_type_name(part)}")
@@ -267,12 +334,14 @@ def _count_tool_calls(
     tally: TokenTally,
     overhead: ChatOverhead,
     budget: _PartBudget,
-) -> int:
+) -> Walk[int]:
     if not isinstance(tool_calls, list):
         raise MalformedRequest(f"{where}.tool_calls must be an array")
     budget.take_tool_calls(len(tool_calls), f"{where}.tool_calls")
     total = overhead.per_tool_call * len(tool_calls)
     for k, call in enumerate(tool_calls):
+        if k % WALK_STEP == WALK_STEP - 1:
+            yield
         at = f"{where}.tool_calls[{k}]"
         if not isinstance(call, dict):
             raise MalformedRequest(f"{at} must be an object, got {_type_name(call)}")
@@ -320,14 +389,13 @@ def _count_tools(
     return total
 
 
-def _count_completion(body: dict[str, Any], tok: ModelTokenizer, limits: Limits) -> int:
+def _count_completion(body: dict[str, Any], tally: TokenTally, limits: Limits) -> Walk[int]:
     prompt = body["prompt"]
-    tally = TokenTally(tok)
     total = 0
     if isinstance(prompt, str):
         tally.add(prompt)
     elif isinstance(prompt, list):
-        total = _count_prompt_array(prompt, tally, limits)
+        total = yield from _count_prompt_array(prompt, tally, limits)
     else:
         raise MalformedRequest(
             "prompt must be a string, an array of strings, an array of tokens, "
@@ -336,10 +404,10 @@ def _count_completion(body: dict[str, Any], tok: ModelTokenizer, limits: Limits)
     suffix = body.get("suffix")
     if suffix is not None:
         tally.add(_require_str(suffix, "suffix"))
-    return total + tally.total()
+    return total
 
 
-def _count_prompt_array(prompt: list[Any], tally: TokenTally, limits: Limits) -> int:
+def _count_prompt_array(prompt: list[Any], tally: TokenTally, limits: Limits) -> Walk[int]:
     """Adds string prompts to ``tally``; returns the count of client-tokenized prompts."""
     if not prompt:
         return 0
@@ -348,26 +416,35 @@ def _count_prompt_array(prompt: list[Any], tally: TokenTally, limits: Limits) ->
         raise MalformedRequest(f"prompt has {len(prompt)} prompts; at most {limits.max_prompts}")
     if isinstance(first, str):
         for i, item in enumerate(prompt):
+            if i % WALK_STEP == WALK_STEP - 1:
+                yield
             tally.add(_require_str(item, f"prompt[{i}]"))
         return 0
     if _is_token_id(first):
-        for i, item in enumerate(prompt):
-            if not _is_token_id(item):
-                raise MalformedRequest(f"prompt[{i}] must be an integer token id")
+        yield from _check_token_ids(prompt, "prompt")
         return len(prompt)  # the client already tokenized; ids count one each
     if isinstance(first, list):
         total = 0
         for i, ids in enumerate(prompt):
+            if i % WALK_STEP == WALK_STEP - 1:
+                yield
             if not isinstance(ids, list):
                 raise MalformedRequest(f"prompt[{i}] must be an array of integer token ids")
-            for j, item in enumerate(ids):
-                if not _is_token_id(item):
-                    raise MalformedRequest(f"prompt[{i}][{j}] must be an integer token id")
+            yield from _check_token_ids(ids, f"prompt[{i}]")
             total += len(ids)
         return total
     raise MalformedRequest(
         "prompt[0] must be a string, an integer token id, or an array of token ids"
     )
+
+
+def _check_token_ids(ids: list[Any], where: str) -> Walk[None]:
+    for start in range(0, len(ids), ID_STEP):
+        if start:
+            yield
+        for j, item in enumerate(ids[start : start + ID_STEP], start):
+            if not _is_token_id(item):
+                raise MalformedRequest(f"{where}[{j}] must be an integer token id")
 
 
 def _is_token_id(value: object) -> bool:
