@@ -165,7 +165,7 @@ def supervise(argv: list[str], workers: int, listen: str, metrics: str | None) -
         running = 0
         for slot in slots:
             if slot.proc is None:
-                if not stopping and (slot.restart_at is None or now >= slot.restart_at):
+                if not (stopping or failed) and (slot.restart_at is None or now >= slot.restart_at):
                     slot.start()
                     running += 1
                 continue
@@ -174,7 +174,7 @@ def supervise(argv: list[str], workers: int, listen: str, metrics: str | None) -
                 running += 1
                 continue
             pid, slot.proc = slot.proc.pid, None
-            if stopping:
+            if stopping or failed:  # failed: another worker gave up in this same pass
                 finals[slot.index] = _exit_code(code, forwarded)
                 continue
             lived = now - slot.started_at
