@@ -357,10 +357,16 @@ def parse_config(doc: Any) -> Config:
         model_index=index,
     )
     normalised = _normalise(config)
-    digest = hashlib.sha256(orjson.dumps(normalised, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    # Where a replica listens is its own; replicas enforcing the same limits share one hash.
+    shared = {k: v for k, v in normalised.items() if k not in PER_REPLICA_FIELDS}
+    digest = hashlib.sha256(orjson.dumps(shared, option=orjson.OPT_SORT_KEYS)).hexdigest()
     object.__setattr__(config, "normalised", normalised)
     object.__setattr__(config, "hash", digest)
     return config
+
+
+# Normal-form fields that differ between replicas of one deployment: not in the hash.
+PER_REPLICA_FIELDS = frozenset({"listen"})
 
 
 def _normalise(config: Config) -> dict[str, Any]:

@@ -102,6 +102,13 @@ def test_hash_changes_with_any_limit_and_not_with_key_order() -> None:
     assert parse_config(doc).hash != parse_config(same).hash
 
 
+def test_replicas_listening_on_different_addresses_share_one_hash() -> None:
+    doc = base_doc()
+    other = {**base_doc(), "listen": "0.0.0.0:50099"}
+    assert parse_config(doc).normalised["listen"] != parse_config(other).normalised["listen"]
+    assert parse_config(doc).hash == parse_config(other).hash
+
+
 def test_normal_form_hides_the_redis_password() -> None:
     doc = base_doc()
     doc["redis_url"] = "rediss://quota:s3cret@redis.internal:6380/2"
