@@ -165,8 +165,7 @@ class ResponseMeter:
             return None
         self.metrics.events_total += 1
         self.delivered += cost
-        due = self._lease_due
-        if due is not None and self.delivered >= due and self.incremental:
+        if self.incremental:
             self._lease_ahead()
         return chunk
 
@@ -360,6 +359,9 @@ class ResponseMeter:
         one lease per batch of output. Partial grants keep a nearly spent budget usable to
         the last token; after one, ``_cover`` leases only when an event needs the tokens.
         """
+        due = self._lease_due  # where next_lease turns positive: one compare per event
+        if due is None or self.delivered < due:
+            return
         if self.lease_task is None and not self.exhausted and not self.refusals:
             amount = next_lease(self.leased, self.delivered, self.batch, self.max_output)
             if amount > 0:

@@ -24,9 +24,9 @@ import ssl
 import time
 from collections import deque
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
+from redis.asyncio.connection import parse_url
 from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -192,14 +192,12 @@ class RespConnection:
         ssl_cert_reqs: str | None = None,
         ssl_check_hostname: bool | None = None,
     ) -> RespConnection:
-        """``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs, as redis-py reads them."""
-        parts = urlsplit(url)
-        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        db_text = query.get("db") or (parts.path.lstrip("/") if parts.scheme != "unix" else "")
+        """``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs, read by redis-py's parser."""
+        parts = parse_url(url)
         context = None
-        if parts.scheme == "rediss":
+        if url.startswith("rediss://"):
             context = ssl.create_default_context(cafile=ssl_ca_certs)
-            reqs = ssl_cert_reqs or "required"
+            reqs = str(ssl_cert_reqs or parts.get("ssl_cert_reqs") or "required").lower()
             context.check_hostname = (
                 ssl_check_hostname if ssl_check_hostname is not None else reqs == "required"
             )
@@ -207,16 +205,16 @@ class RespConnection:
                 "none": ssl.CERT_NONE,
                 "optional": ssl.CERT_OPTIONAL,
                 "required": ssl.CERT_REQUIRED,
-            }[str(reqs).lower()]
+            }[reqs]
             if ssl_certfile:
                 context.load_cert_chain(ssl_certfile, ssl_keyfile)
         return cls(
-            host=parts.hostname or "127.0.0.1",
-            port=parts.port or 6379,
-            path=parts.path if parts.scheme == "unix" else None,
-            db=int(db_text or 0),
-            username=username if username is not None else unquote(parts.username or "") or None,
-            password=password if password is not None else unquote(parts.password or "") or None,
+            host=parts.get("host", "127.0.0.1"),
+            port=parts.get("port", 6379),
+            path=parts.get("path"),
+            db=parts.get("db", 0),
+            username=username if username is not None else parts.get("username") or None,
+            password=password if password is not None else parts.get("password") or None,
             ssl_context=context,
             connect_timeout_s=connect_timeout_s,
             socket_timeout_s=socket_timeout_s,

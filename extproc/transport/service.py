@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from time import monotonic
 
 import grpc
 import structlog
@@ -65,7 +64,7 @@ class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
                 request = await context.read()
                 if request is grpc.aio.EOF:
                     break
-                session.last_activity = monotonic()
+                session.last_activity = time.monotonic()
                 # Most messages are answered here, without a coroutine of their own.
                 response = session.answer_now(request)
                 if response is not None:
