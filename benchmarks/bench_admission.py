@@ -240,7 +240,7 @@ def main() -> None:
         f"target p99 ≤ {TARGET_P99_MS} ms: {verdict(percentile(inside, 99) <= TARGET_P99_MS)}"
     )
     print(
-        f"billing processor: {int(metrics.get('extproc_admitted_total', 0)):,} admitted, "
+        f"billing processor: {int(metrics.get('extproc_requests_admitted_total', 0)):,} admitted, "
         f"{int(metrics.get('extproc_quota_round_trips_total', 0)):,} Redis round trips; "
         f"load average at the end {os.getloadavg()[0]:.1f}"
     )

@@ -1081,7 +1081,7 @@ def main() -> None:
         )
         for name, processor in processors:
             metrics = processor.metrics()
-            print(f"{name}: {int(metrics.get('extproc_admitted_total', 0)):,} admitted")
+            print(f"{name}: {int(metrics.get('extproc_requests_admitted_total', 0)):,} admitted")
         print(f"load average at the end {os.getloadavg()[0]:.1f}")
     finally:
         for stop in reversed(stoppers):

@@ -93,6 +93,8 @@ SOAK_WARMUP_S = 30.0
 # Soak outcome counters, per client process, in this order.
 OUTCOMES = ("completed", "cut", "refused", "cancelled", "errors", "messages")
 
+LEASE_REFUSALS = 'extproc_lease_batches_total{result="refused"}'
+
 
 # --gc-probe / --tracemalloc: a sitecustomize for the processors only, so the bench can ask
 # one, by signal, to run the cyclic GC (SIGUSR1), to hand free heap back to the OS
@@ -840,15 +842,16 @@ def report_levels(
             f"stream errors {errors[x]}"
         )
     print(
-        f"billing processor, part 1: admitted {int(metrics.get('extproc_admitted_total', 0)):,}, "
-        f"settled {int(sum(v for k, v in metrics.items() if k.startswith('extproc_settled')))}"
+        "billing processor, part 1: admitted "
+        f"{int(metrics.get('extproc_requests_admitted_total', 0)):,}, "
+        f"settled {int(metrics.get('extproc_settlements_total', 0))}"
         f", cut-offs {int(metrics.get('extproc_cutoffs_total', 0))}"
     )
 
 
 def settled_by_reason(metrics: dict[str, float]) -> dict[str, int]:
-    """``extproc_settled_total{reason="x"}`` counters as {x: n}."""
-    prefix = 'extproc_settled_total{reason="'
+    """``extproc_settlements_total{reason="x"}`` counters as {x: n}."""
+    prefix = 'extproc_settlements_total{reason="'
     return {k[len(prefix) : -2]: int(v) for k, v in sorted(metrics.items()) if k.startswith(prefix)}
 
 
@@ -903,9 +906,9 @@ def report_soak(s: Soak, args: argparse.Namespace, tpm: int, before_kib: int) ->
     )
     if m:  # the billing processor: its counters, and what Redis holds
         print(
-            f"processor counters: admitted {int(m.get('extproc_admitted_total', 0)):,}, "
+            f"processor counters: admitted {int(m.get('extproc_requests_admitted_total', 0)):,}, "
             f"cut-offs {int(m.get('extproc_cutoffs_total', 0)):,}, lease refusals "
-            f"{int(m.get('extproc_lease_refusals_total', 0)):,}, settled "
+            f"{int(m.get(LEASE_REFUSALS, 0)):,}, settled "
             + ", ".join(f"{reason} {n:,}" for reason, n in settled_by_reason(m).items())
         )
         (b0, k0), (b1, k1) = s.redis_before, s.redis_after

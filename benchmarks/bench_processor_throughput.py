@@ -63,6 +63,8 @@ PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 PROMPT = "Say hello in as many words as you like."
 PROMPT_TOKENS = 16  # what the synthetic usage event reports; only settles the counters
 
+LEASE_REFUSALS = 'extproc_lease_batches_total{result="refused"}'
+
 
 # -- client process (spawned: grpc must not cross a fork) ----------------------------------
 
@@ -206,8 +208,8 @@ def run_phase(
 
 
 def all_settled(metrics: dict[str, float]) -> bool:
-    settled = sum(v for k, v in metrics.items() if k.startswith("extproc_settled_total"))
-    return settled >= metrics.get("extproc_admitted_total", 0)
+    settled = metrics.get("extproc_settlements_total", 0)
+    return settled >= metrics.get("extproc_requests_admitted_total", 0)
 
 
 def main() -> None:
@@ -344,9 +346,9 @@ def report(rounds: list[tuple[Phase, Phase]], metrics: dict[str, float], tokens:
         f"{fmt(billing.per_s, 0)} msg/s wall — target ≥ {TARGET_MESSAGES_PER_S:,}/s on one "
         f"core: {verdict(billing.per_cpu_s >= TARGET_MESSAGES_PER_S)} (per CPU-second)"
     )
-    admitted = metrics.get("extproc_admitted_total", 0)
+    admitted = metrics.get("extproc_requests_admitted_total", 0)
     trips = metrics.get("extproc_quota_round_trips_total", 0)
-    events = metrics.get("extproc_events_total", 0)
+    events = metrics.get("extproc_sse_events_total", 0)
     waited = metrics.get("extproc_events_waited_total", 0)
     bound = math.ceil(tokens / BATCH) + 2
     per_request = ratio(trips, admitted)
@@ -368,7 +370,7 @@ def report(rounds: list[tuple[Phase, Phase]], metrics: dict[str, float], tokens:
                 ],
                 [
                     "requests admitted / lease refusals / cut-offs",
-                    f"{int(admitted):,} / {int(metrics.get('extproc_lease_refusals_total', 0))}"
+                    f"{int(admitted):,} / {int(metrics.get(LEASE_REFUSALS, 0))}"
                     f" / {int(metrics.get('extproc_cutoffs_total', 0))}",
                     "",
                     "",

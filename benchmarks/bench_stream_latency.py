@@ -689,7 +689,7 @@ def main() -> None:
             results = asyncio.run(run_all(routes, levels, rounds_for, tokens, itl_s))
             report(results, args.itl_ms, tokens)
         metrics = billing.metrics()
-        events = metrics.get("extproc_events_total", 0)
+        events = metrics.get("extproc_sse_events_total", 0)
         waited = metrics.get("extproc_events_waited_total", 0)
         print(
             f"\nbilling processor during the run: {int(events):,} events, "

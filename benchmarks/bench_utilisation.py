@@ -98,6 +98,8 @@ REFUSALS_PER_CLIENT = 2
 BACKOFF_S = (0.05, 0.25)
 PROBE_KEY = "sk-probe"
 
+LEASE_REFUSALS = 'extproc_lease_batches_total{result="refused"}'
+
 
 # -- the simulator, with answers of a given length range ---------------------------------
 
@@ -329,9 +331,8 @@ class Column:
             f"{self.limit - self.charged:,} / {smallest}",
             f"{len(admitted)} ({len(complete)} / {cut} / {other})",
             f"{refused:,}",
-            f"{m('extproc_lease_batches_total', 0):.0f} / "
-            f"{m('extproc_lease_refusals_total', 0):.0f}",
-            f"{m('extproc_events_waited_total', 0):.0f} of {m('extproc_events_total', 0):.0f}",
+            f"{m('extproc_lease_batches_total', 0):.0f} / {m(LEASE_REFUSALS, 0):.0f}",
+            f"{m('extproc_events_waited_total', 0):.0f} of {m('extproc_sse_events_total', 0):.0f}",
             f"{self.seconds:.1f}" + ("" if self.finished else " (time limit)"),
         ]
 
@@ -364,11 +365,11 @@ def counter_in_window(client: Any, tenant: str, window_start: int) -> tuple[int,
 
 def settled_all(after: dict[str, float], before: dict[str, float], admitted: int) -> bool:
     def delta(name: str) -> float:
-        return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(name))
+        return after.get(name, 0.0) - before.get(name, 0.0)
 
-    return delta("extproc_admitted_total") >= admitted and delta("extproc_settled_total") >= delta(
-        "extproc_admitted_total"
-    )
+    return delta("extproc_requests_admitted_total") >= admitted and delta(
+        "extproc_settlements_total"
+    ) >= delta("extproc_requests_admitted_total")
 
 
 def plan_doc(plan: str, tpm: int) -> dict[str, Any]:

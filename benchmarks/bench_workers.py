@@ -46,6 +46,7 @@ from benchmarks.bench_processor_throughput import BATCH, ClientPlan, all_settled
 from benchmarks.report import fmt, ratio, table
 from benchmarks.rig import ROOT, cpu_seconds, pinned, write_bench_config
 from tests.support.gateway import grpc_serving, http_get, wait_until
+from tests.support.metrics import parse_metrics
 from tests.support.procs import ManagedProcess, free_port, free_port_run
 from tests.support.redis_server import RedisServer
 
@@ -119,11 +120,7 @@ def children(pid: int) -> list[int]:
 
 def metrics_of(port: int) -> dict[str, float]:
     _, text = http_get(f"http://127.0.0.1:{port}/metrics")
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        out[name] = float(value)
-    return out
+    return parse_metrics(text)
 
 
 def answers(port: int) -> bool:

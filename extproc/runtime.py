@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from extproc import __version__
 from extproc.admission.gate import Admission
 from extproc.config import Config
-from extproc.metrics import Metrics
+from extproc.metrics import Metrics, MetricsCollector, registry_for
 from extproc.quota.base import QuotaBackend
 from extproc.quota.factory import backend_from_url
 from extproc.quota.orphans import Liveness, start_liveness
@@ -38,6 +39,18 @@ class Runtime:
     def __init__(self, config: Config, backend: QuotaBackend | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
+        self.metrics_registry = registry_for(
+            MetricsCollector(
+                self.metrics,
+                info=lambda: {"version": __version__, "config_hash": self.config.hash},
+                gauges={
+                    "extproc_open_streams": (
+                        "Admitted requests not settled yet on this processor.",
+                        lambda: len(self.open_sessions),
+                    )
+                },
+            )
+        )
         self.backend = (
             backend
             if backend is not None

@@ -175,7 +175,7 @@ class Session:
             if method == "POST" and http.end_of_stream:
                 raise invalid_request("The request has no body.", "missing_body")
         except ApiError as error:
-            self.runtime.metrics.refusal(error.code or error.type)
+            self._rejected(error)
             return msg.immediate(error)
         # Identity and cost are the gateway's to state; whatever the client claimed is dropped,
         # and so are the gateway's own API keys. The answer must be readable by the meter.
@@ -193,7 +193,7 @@ class Session:
         try:
             admitted = await self.admission.admit(self.tenant, endpoint, self.request_id, http.body)
         except ApiError as error:
-            self.runtime.metrics.refusal(error.code or error.type)
+            self._rejected(error)
             return msg.immediate(error)
         except Exception as exc:  # the quota backend is down or timed out: fail closed, clearly
             log.error(
@@ -202,12 +202,12 @@ class Session:
                 client_request_id=self.client_request_id,
                 error=repr(exc),
             )
-            self.runtime.metrics.refusal("quota_unavailable")
+            self._rejected(QUOTA_UNAVAILABLE)
             return msg.immediate(QUOTA_UNAVAILABLE)
         self.admitted = admitted
         self.meter = ResponseMeter(admitted, self.runtime)
         self.runtime.open_sessions.add(self)
-        self.runtime.metrics.admitted_total += 1
+        self.runtime.metrics.admitted[admitted.metric_labels] += 1
         new_body = admitted.request.new_body
         # BUFFERED + SEND headers: content-length is the processor's to keep right.
         set_headers = [("content-length", str(len(new_body)))]
@@ -215,6 +215,11 @@ class Session:
         if credential is not None:
             set_headers.append(("authorization", credential))
         return msg.continue_request_body(new_body, msg.mutation(set_headers=set_headers))
+
+    def _rejected(self, error: ApiError) -> None:
+        # Limit refusals are counted by the admission, with their model, plan and kind.
+        if error.type != "rate_limit_error":
+            self.runtime.metrics.rejected[error.code or error.type] += 1
 
     def _on_response_headers(self, http: msg.pb.HttpHeaders) -> msg.ProcessingResponse:
         headers = msg.header_map(http)

@@ -88,6 +88,11 @@ class Admitted:
     replayed: bool
 
     @property
+    def metric_labels(self) -> tuple[str, str]:
+        """(model, plan): the labels of this request's metrics (never the tenant)."""
+        return self.request.model.name, self.tenant.plan.name
+
+    @property
     def incremental(self) -> bool:
         """Lease-ahead billing applies: a stream on an incremental plan with token limits."""
         return leases_output(self.request, self.policy) and bool(self.policy.token_counters)
@@ -134,6 +139,8 @@ class Admission:
     async def admit(
         self, tenant: TenantSpec, endpoint: Endpoint, request_id: str, raw_body: bytes
     ) -> Admitted:
+        loop = asyncio.get_running_loop()
+        started = loop.time()  # the histogram covers parsing too, but not invalid bodies
         if len(raw_body) < SPLIT_PARSE_MIN_BYTES:
             request = parse_model_request(endpoint, raw_body, self.config)
         else:
@@ -143,12 +150,30 @@ class Admission:
         policy = self.policies.policy(tenant, request.model.name)
         if not policy.allowed:
             raise model_not_found(request.requested_model)
+        labels = (request.model.name, tenant.plan.name)
+        try:
+            return await self._admit(tenant, request, policy, request_id, raw_body, labels)
+        finally:
+            self.metrics.observe("admission", labels, loop.time() - started)
+
+    async def _admit(
+        self,
+        tenant: TenantSpec,
+        request: ModelRequest,
+        policy: QuotaPolicy,
+        request_id: str,
+        raw_body: bytes,
+        labels: tuple[str, str],
+    ) -> Admitted:
         tokenizer = self.registry.counter_for(request.model.name)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             # Big prompts are counted off the loop (or in slices): extproc.tokens.offload.
             prompt_tokens = await self.prompts.count(
                 request.body, tokenizer, image_tokens=self.config.image_tokens
             )
+            self.metrics.observe("prompt_count", labels[:1], loop.time() - started)
         except MalformedRequest as exc:
             raise invalid_request(str(exc), "invalid_request") from exc
         except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
@@ -195,9 +220,13 @@ class Admission:
             # Only a retry of this processor's own call can meet a cancelled key.
             raise QuotaUnavailable(f"reservation {reservation_key} was cancelled")
         if not verdict.admitted:
+            self.metrics.refused[(*labels, verdict.refused_by or "rpm")] += 1
             raise _refusal(
                 verdict.refused_by, verdict.states, prompt_tokens + output_reserved, policy
             )
+        if verdict.replayed:
+            self.metrics.replays["admit"] += 1
+        self.metrics.tokens_reserved[labels] += charge.tokens
         return Admitted(
             tenant, request, policy, tokenizer, reservation_key,
             prompt_tokens, output_reserved, verdict.states, verdict.replayed,
@@ -208,13 +237,18 @@ class Admission:
 
     async def _charge(self, charge: AdmitRequest) -> Verdict:
         self.metrics.quota_round_trips_total += 1
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             return await self.backend.admit(charge)
         except Exception:
             # The charge may have been applied (or may still be, by a paused server): the
             # request is answered 503, so the key is cancelled until the backend answers.
+            self.metrics.backend_errors["admit"] += 1
             self.spawn(self._cancel(charge.reservation_key, charge.token_counters))
             raise
+        finally:
+            self.metrics.observe("backend", ("admit",), loop.time() - started)
 
     async def _cancel(self, reservation_key: str, counters: tuple[Counter, ...]) -> None:
         self.metrics.lost_admissions_total += 1
@@ -229,11 +263,15 @@ async def cancel_until_answered(
     backend: QuotaBackend, reservation_key: str, counters: tuple[Counter, ...], metrics: Metrics
 ) -> bool:
     """Retry ``cancel`` (idempotent) with backoff until the backend answers (~2 minutes)."""
+    loop = asyncio.get_running_loop()
     for attempt in range(CANCEL_ATTEMPTS):
+        started = loop.time()
         try:
             await backend.cancel(reservation_key, counters)
+            metrics.observe("backend", ("cancel",), loop.time() - started)
             return True
         except Exception as exc:
+            metrics.backend_errors["cancel"] += 1
             log.warning(
                 "cancel_retry", request_id=reservation_key, attempt=attempt, error=repr(exc)
             )

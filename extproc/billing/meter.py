@@ -71,6 +71,7 @@ class ResponseMeter:
         self.admitted = admitted
         self.runtime = runtime
         self.metrics = runtime.metrics
+        self._labels = admitted.metric_labels  # (model, plan)
         self.states = admitted.states
         self.mode: Mode = "pending"
         self.incremental = admitted.incremental
@@ -271,7 +272,10 @@ class ResponseMeter:
                 need += cost
         if need > self.leased and self.incremental:
             self.metrics.events_waited_total += len(events)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
             await self._cover(need)
+            self.metrics.observe("lease_wait", self._labels, loop.time() - started)
             if self.finished:
                 return None
         out = bytearray()
@@ -283,7 +287,7 @@ class ResponseMeter:
                 # parsed from the same message that the client will never see.
                 self.final_usage = None
                 out += self._closing_bytes(self.exhausted_code)
-                self.metrics.cutoffs_total += 1
+                self.metrics.cutoffs[self._labels] += 1
                 self._finish("cutoff")
                 return bytes(out)
             self.delivered += cost
@@ -388,8 +392,10 @@ class ResponseMeter:
 
     async def _lease(self, amount: int, minimum: int) -> None:
         self.seq += 1
-        self.metrics.lease_batches_total += 1
-        self.metrics.quota_round_trips_total += 1
+        metrics = self.metrics
+        metrics.quota_round_trips_total += 1
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             grant = await self.runtime.backend.reserve(
                 self.admitted.reservation_key,
@@ -402,12 +408,19 @@ class ResponseMeter:
             log.error("lease_failed", request_id=self._rid, error=repr(exc))
             # The backend failed, not the budget: the client is told so, not "limit reached".
             self.exhausted_code = "quota_unavailable"
-            self.metrics.lease_failures_total += 1
+            metrics.backend_errors["reserve"] += 1
+            metrics.lease_batches[(*self._labels, "failed")] += 1
             self.exhausted = True
             self.lease_task = None
             return
+        finally:
+            metrics.observe("backend", ("reserve",), loop.time() - started)
+        if grant.replayed:
+            metrics.replays["reserve"] += 1
         self.retry_due = False
         if grant.granted > 0:
+            metrics.lease_batches[(*self._labels, "granted")] += 1
+            metrics.tokens_reserved[self._labels] += grant.granted
             self.leased += grant.granted
             self._lease_due = lease_due_at(self.leased, self.batch, self.max_output)
             self.states = grant.states or self.states
@@ -416,10 +429,10 @@ class ResponseMeter:
             # refund_wait_ms; refused with nobody else open, the stream is cut at once.
             self.refusals += 1
             self.retry_due = True
-            self.metrics.lease_retries_total += 1
+            metrics.lease_batches[(*self._labels, "deferred")] += 1
         else:
             self.exhausted = True
-            self.metrics.lease_refusals_total += 1
+            metrics.lease_batches[(*self._labels, "refused")] += 1
             if grant.states:
                 tightest = min(grant.states, key=lambda s: s.remaining)
                 if tightest.kind == "daily":
@@ -486,17 +499,17 @@ class ResponseMeter:
 
     # -- settlement ------------------------------------------------------------------------
 
-    def used_tokens(self) -> int:
-        """What this request really cost: the figure committed at settlement.
+    def used_tokens(self) -> tuple[int, int]:
+        """What this request really cost, ``(prompt, output)``: committed at settlement.
 
         Never the prompt alone for an answer that may hold output: what can't be read keeps
         the reservation (or ``max_tokens`` where only that bounds the output).
         """
         prompt = self.admitted.prompt_tokens
         if self.mode == "upstream_error":
-            return prompt  # no output was produced; the RPM attempt stays charged
+            return prompt, 0  # no output was produced; the RPM attempt stays charged
         if self.mode == "unreadable":
-            return prompt + max(self.leased, self.delivered)
+            return prompt, max(self.leased, self.delivered)
         if self.mode == "json":
             return self._json_used(prompt)
         if self.final_usage is not None:
@@ -508,17 +521,17 @@ class ResponseMeter:
                     upstream=self.final_usage[1],
                     counted=self.delivered,
                 )
-            return sum(answer.billed(prompt, self.delivered, self.final_usage))
-        return prompt + self.delivered
+            return answer.billed(prompt, self.delivered, self.final_usage)
+        return prompt, self.delivered
 
-    def _json_used(self, prompt: int) -> int:
+    def _json_used(self, prompt: int) -> tuple[int, int]:
         body = self._json.body() if self._json is not None and self.completed else None
         read = None if body is None else answer.read_answer(body, self.admitted.tokenizer)
         if read is None:
             # Cut short, unreadable or over the size limit: only max_tokens bounds it.
-            return prompt + self.max_output
+            return prompt, self.max_output
         counted, usage = read
-        return sum(answer.billed(prompt, counted, usage))
+        return answer.billed(prompt, counted, usage)
 
     def _disagrees(self, upstream: int) -> bool:
         return abs(upstream - self.delivered) > max(2, USAGE_TOLERANCE * upstream)
@@ -530,21 +543,37 @@ class ResponseMeter:
         if self.lease_task is not None:
             await asyncio.gather(self.lease_task, return_exceptions=True)
         counters = self.admitted.policy.token_counters
-        self.metrics.settled[reason] += 1
+        metrics = self.metrics
+        labels = self._labels
+        metrics.settled[(*labels, reason)] += 1
         if not counters:
             return
-        used = self.used_tokens()
-        self.metrics.quota_round_trips_total += 1
+        prompt, output = self.used_tokens()
+        used = prompt + output
+        metrics.tokens[(*labels, "prompt")] += prompt
+        metrics.tokens[(*labels, "output")] += output
+        metrics.quota_round_trips_total += 1
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             # A Redis backend (wrapped by the factory in ``ResilientQuotaBackend``) keeps
             # what it cannot apply now in its queue and applies it when Redis returns, so
             # the settlement is not retried here; memory:// cannot fail.
-            await self.runtime.backend.settle(self.admitted.reservation_key, counters, used)
+            settlement = await self.runtime.backend.settle(
+                self.admitted.reservation_key, counters, used
+            )
         except Exception as exc:
-            self.metrics.settle_errors_total += 1
+            metrics.settle_errors_total += 1
+            metrics.backend_errors["settle"] += 1
             log.error(
                 "settle_failed", request_id=self._rid, used=used, reason=reason, error=repr(exc)
             )
+            return
+        finally:
+            metrics.observe("backend", ("settle",), loop.time() - started)
+        if settlement.already_settled:
+            metrics.replays["settle"] += 1
+        metrics.tokens_refunded[labels] += settlement.refunded
 
     @property
     def _rid(self) -> str:

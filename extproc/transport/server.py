@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client.exposition import choose_encoder
 
 from extproc.config import Config
 from extproc.runtime import Runtime
@@ -31,8 +32,11 @@ END_WAIT_S = 5.0
 
 
 async def _metrics_app(runtime: Runtime, listen: str) -> web.AppRunner:
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(text=runtime.metrics.prometheus(), content_type="text/plain")
+    async def metrics(request: web.Request) -> web.Response:
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(
+            body=encoder(runtime.metrics_registry), headers={"Content-Type": content_type}
+        )
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -114,5 +118,7 @@ async def serve(config: Config, metrics_listen: str | None = None) -> None:
         await metrics_runner.cleanup()
     await runtime.close()
     log.info(
-        "stopped", admitted=runtime.metrics.admitted_total, settled=dict(runtime.metrics.settled)
+        "stopped",
+        admitted=runtime.metrics.admitted_total,
+        settled=runtime.metrics.settled_by_reason(),
     )

@@ -59,16 +59,20 @@ class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
         stream = self.streams[session] = _Stream(context)
         self._all_closed.clear()
         reason = "end_of_stream"
+        timings = self.runtime.metrics.histograms["message"]
+        body_timing = timings.labels("response_body")
+        monotonic = time.monotonic
         try:
             while True:
                 request = await context.read()
                 if request is grpc.aio.EOF:
                     break
-                session.last_activity = time.monotonic()
+                started = session.last_activity = monotonic()
                 # Most messages are answered here, without a coroutine of their own.
                 response = session.answer_now(request)
                 if response is not None:
                     await stream.write(response)
+                    body_timing.observe(monotonic() - started)
                     continue
                 session.busy = True
                 if request.HasField("response_trailers"):
@@ -79,6 +83,8 @@ class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
                 if response is not None:
                     await stream.write(response)
                 session.busy = False
+                phase = request.WhichOneof("request") or "unknown"
+                timings.labels(phase).observe(monotonic() - started)
                 if watchdog is None and session.meter is not None and session.meter.started:
                     watchdog = asyncio.create_task(self._watch(session, stream))
                 if session.finished:

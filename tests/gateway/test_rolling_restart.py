@@ -68,8 +68,8 @@ def complete(result: StreamResult) -> bool:
 
 def open_streams(processor: Processor) -> int:
     metrics = processor.metrics()
-    settled = sum(v for k, v in metrics.items() if k.startswith("extproc_settled_total"))
-    return int(metrics.get("extproc_admitted_total", 0) - settled)
+    settled = metrics.get("extproc_settlements_total", 0)
+    return int(metrics.get("extproc_requests_admitted_total", 0) - settled)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_rolling_restart_under_load_fails_no_request_and_settles_each_once(
         )
         assert healthy, envoy.processor_health(new.port)
         assert await asyncio.to_thread(
-            wait_until, lambda: new.metrics().get("extproc_admitted_total", 0) > 0, 60
+            wait_until, lambda: new.metrics().get("extproc_requests_admitted_total", 0) > 0, 60
         )
         await completed_more(PHASE_REQUESTS)
         return old.stopped_record()
@@ -219,7 +219,7 @@ def test_a_processor_that_dies_fails_no_new_request(
     try:
         warm = asyncio.run(burst(0, 8))
         assert all(complete(r) for r in warm)
-        assert doomed.metrics()["extproc_admitted_total"] > 0  # both were in rotation
+        assert doomed.metrics()["extproc_requests_admitted_total"] > 0  # both were in rotation
         doomed.process.signal(signal.SIGKILL)
         doomed.process.proc.wait(30)
         results = asyncio.run(burst(100, 40))

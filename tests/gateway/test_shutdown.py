@@ -101,7 +101,7 @@ def test_a_stream_still_open_when_the_grace_ends_is_ended_cleanly_and_settled_as
 
         def settled_as_shutdown() -> bool:
             metrics = processor.metrics()
-            return metrics.get('extproc_settled_total{reason="shutdown"}') == 1
+            return metrics.get('extproc_settlements_total{reason="shutdown"}') == 1
 
         async def stream_and_terminate() -> object:
             first_event = asyncio.Event()

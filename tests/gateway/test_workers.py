@@ -31,6 +31,7 @@ from extproc.transport.workers import FIRST_RESTART_DELAY_S, MAX_QUICK_DEATHS, M
 from stack.envoy import EnvoyPorts, render_bootstrap
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
 from tests.support.gateway import ROOT, Envoy, grpc_serving, http_get, wait_until
+from tests.support.metrics import parse_metrics
 from tests.support.procs import ManagedProcess, free_port, free_port_run
 from tests.support.redis_server import RedisServer
 from tests.support.simulator import Simulator
@@ -76,13 +77,9 @@ class Workers:
         return out
 
     def counter(self, worker: int, name: str) -> int:
-        """One counter of one worker; summed over labels (``extproc_refused_total{…}``)."""
+        """One counter of one worker; summed over labels (``extproc_requests_refused_total{…}``)."""
         _, text = http_get(f"http://127.0.0.1:{self.metrics_port(worker)}/metrics")
-        return sum(
-            int(float(line.rpartition(" ")[2]))
-            for line in text.splitlines()
-            if line.split("{")[0].split(" ")[0] == name
-        )
+        return int(parse_metrics(text).get(name, 0))
 
     def answers(self, worker: int) -> bool:
         try:
@@ -153,10 +150,10 @@ class Stack:
         )
 
     def admitted(self) -> list[int]:
-        return [self.workers.counter(i, "extproc_admitted_total") for i in range(WORKERS)]
+        return [self.workers.counter(i, "extproc_requests_admitted_total") for i in range(WORKERS)]
 
     def refused(self) -> list[int]:
-        return [self.workers.counter(i, "extproc_refused_total") for i in range(WORKERS)]
+        return [self.workers.counter(i, "extproc_requests_refused_total") for i in range(WORKERS)]
 
 
 @pytest.fixture(scope="module")

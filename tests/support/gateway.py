@@ -18,6 +18,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stack.envoy import EnvoyPorts, ProcessorHealthCheck, envoy_argv, render_bootstrap
+from tests.support.metrics import parse_metrics
 from tests.support.procs import ManagedProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,11 +101,7 @@ class Processor:
 
     def metrics(self) -> dict[str, float]:
         _, text = http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-        return out
+        return parse_metrics(text)
 
     def stop(self) -> int:
         return self.process.stop()
