@@ -17,6 +17,7 @@ from extproc.quota.factory import backend_from_url
 from extproc.quota.orphans import Liveness, start_liveness
 from extproc.quota.resilient import Resilience
 from extproc.tokens.registry import DEFAULT_RULES, TokenizerRegistry, TokenizerRule
+from extproc.tracing import Tracer, tracer_from_env
 
 if TYPE_CHECKING:
     from extproc.session import Session
@@ -65,6 +66,7 @@ class Runtime:
                 metrics=self.metrics,
             )
         )
+        self.tracer: Tracer | None = tracer_from_env()
         self.registry = TokenizerRegistry(tokenizer_rules(config))
         self.admission = Admission(config, self.backend, self.registry, self.metrics, self.spawn)
         self.open_sessions: set[Session] = set()
@@ -121,3 +123,5 @@ class Runtime:
             await self.liveness.stop()  # after drain: the last settlements are registered
         self.admission.close()  # the prompt-counting worker thread
         await self.backend.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # export what is buffered

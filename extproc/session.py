@@ -20,6 +20,7 @@ from extproc.admission.ratelimit_headers import ratelimit_headers
 from extproc.admission.request import METERED_PATHS
 from extproc.admission.routes import upstream_allowed
 from extproc.billing.meter import ResponseMeter
+from extproc.tracing import ExchangeSpan, fail
 from extproc.transport import messages as msg
 
 if TYPE_CHECKING:
@@ -65,7 +66,9 @@ class Session:
         "path",
         "request_id",
         "runtime",
+        "status",
         "tenant",
+        "trace",
         "upstream_status",
     )
 
@@ -80,6 +83,8 @@ class Session:
         self.admitted: Admitted | None = None
         self.meter: ResponseMeter | None = None
         self.upstream_status = 0
+        self.status = 0  # of the processor's own answer (an error), else the upstream's
+        self.trace: ExchangeSpan | None = None  # tracing on: this exchange's span
         self.last_activity = 0.0
         self.busy = False  # a message is being handled: the idle watchdog waits
         # ``answer_now``'s response, built once and refilled per message (5 µs → 0.6 µs):
@@ -159,6 +164,10 @@ class Session:
         headers = msg.header_map(http)
         self.path = headers.get(":path", "").split("?", 1)[0]
         self.client_request_id = headers.get("x-request-id", "")[:MAX_CLIENT_ID]
+        tracer = self.runtime.tracer
+        if tracer is not None:
+            self.trace = tracer.exchange(headers, self.path)
+            self.trace.span.set_attribute("extproc.request_id", self.request_id)
         try:
             self.tenant = self.admission.authenticate(headers)
             method = headers.get(":method", "GET")
@@ -190,10 +199,14 @@ class Session:
         endpoint = METERED_PATHS.get(self.path)
         if self.tenant is None or endpoint is None:
             return msg.continue_request_body()
+        span = None if self.trace is None else self.trace.child("extproc.admission")
         try:
             admitted = await self.admission.admit(self.tenant, endpoint, self.request_id, http.body)
         except ApiError as error:
             self._rejected(error)
+            if span is not None:
+                span.set_attribute("extproc.verdict", error.code or error.type)
+                span.end()
             return msg.immediate(error)
         except Exception as exc:  # the quota backend is down or timed out: fail closed, clearly
             log.error(
@@ -203,9 +216,24 @@ class Session:
                 error=repr(exc),
             )
             self._rejected(QUOTA_UNAVAILABLE)
+            if span is not None:
+                fail(span, exc)
+                span.end()
             return msg.immediate(QUOTA_UNAVAILABLE)
+        if span is not None and self.trace is not None:
+            span.set_attributes(
+                {
+                    "extproc.verdict": "admitted",
+                    "extproc.prompt_tokens": admitted.prompt_tokens,
+                    "extproc.output_reserved": admitted.output_reserved,
+                    "extproc.replayed": admitted.replayed,
+                }
+            )
+            span.end()
+            model, plan = admitted.metric_labels
+            self.trace.admitted(admitted.request.endpoint, model, plan, self.tenant.id)
         self.admitted = admitted
-        self.meter = ResponseMeter(admitted, self.runtime)
+        self.meter = ResponseMeter(admitted, self.runtime, self.trace)
         self.runtime.open_sessions.add(self)
         self.runtime.metrics.admitted[admitted.metric_labels] += 1
         new_body = admitted.request.new_body
@@ -217,6 +245,7 @@ class Session:
         return msg.continue_request_body(new_body, msg.mutation(set_headers=set_headers))
 
     def _rejected(self, error: ApiError) -> None:
+        self.status = error.status
         # Limit refusals are counted by the admission, with their model, plan and kind.
         if error.type != "rate_limit_error":
             self.runtime.metrics.rejected[error.code or error.type] += 1
@@ -258,3 +287,5 @@ class Session:
         self.runtime.open_sessions.discard(self)
         if self.meter is not None:
             await self.meter.settle(reason)
+        if self.trace is not None:
+            self.trace.end(reason, self.status or self.upstream_status)

@@ -38,6 +38,7 @@ from extproc.billing.sse import (
 )
 from extproc.quota.base import TOKEN_KINDS
 from extproc.tokens.incremental import IncrementalCounter
+from extproc.tracing import ExchangeSpan, fail
 
 if TYPE_CHECKING:
     from extproc.admission.gate import Admitted
@@ -67,8 +68,11 @@ def delta_text(choice: dict[str, Any]) -> str:
 
 
 class ResponseMeter:
-    def __init__(self, admitted: Admitted, runtime: Runtime) -> None:
+    def __init__(
+        self, admitted: Admitted, runtime: Runtime, trace: ExchangeSpan | None = None
+    ) -> None:
         self.admitted = admitted
+        self.trace = trace  # tracing on: a span per lease batch and one for the settlement
         self.runtime = runtime
         self.metrics = runtime.metrics
         self._labels = admitted.metric_labels  # (model, plan)
@@ -396,6 +400,10 @@ class ResponseMeter:
         metrics.quota_round_trips_total += 1
         loop = asyncio.get_running_loop()
         started = loop.time()
+        span = None
+        if self.trace is not None:
+            span = self.trace.child("extproc.lease", **{"extproc.seq": self.seq})
+            span.set_attribute("extproc.amount", amount)
         try:
             grant = await self.runtime.backend.reserve(
                 self.admitted.reservation_key,
@@ -410,6 +418,9 @@ class ResponseMeter:
             self.exhausted_code = "quota_unavailable"
             metrics.backend_errors["reserve"] += 1
             metrics.lease_batches[(*self._labels, "failed")] += 1
+            if span is not None:
+                fail(span, exc)
+                span.end()
             self.exhausted = True
             self.lease_task = None
             return
@@ -417,6 +428,9 @@ class ResponseMeter:
             metrics.observe("backend", ("reserve",), loop.time() - started)
         if grant.replayed:
             metrics.replays["reserve"] += 1
+        if span is not None:
+            span.set_attribute("extproc.granted", grant.granted)
+            span.end()
         self.retry_due = False
         if grant.granted > 0:
             metrics.lease_batches[(*self._labels, "granted")] += 1
@@ -550,6 +564,13 @@ class ResponseMeter:
             return
         prompt, output = self.used_tokens()
         used = prompt + output
+        span = None
+        if self.trace is not None:
+            self.trace.span.set_attributes(
+                {"gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": output}
+            )
+            span = self.trace.child("extproc.settle", **{"extproc.reason": reason})
+            span.set_attribute("extproc.used", used)
         metrics.tokens[(*labels, "prompt")] += prompt
         metrics.tokens[(*labels, "output")] += output
         metrics.quota_round_trips_total += 1
@@ -568,12 +589,25 @@ class ResponseMeter:
             log.error(
                 "settle_failed", request_id=self._rid, used=used, reason=reason, error=repr(exc)
             )
+            if span is not None:
+                fail(span, exc)
+                span.end()
             return
         finally:
             metrics.observe("backend", ("settle",), loop.time() - started)
         if settlement.already_settled:
             metrics.replays["settle"] += 1
         metrics.tokens_refunded[labels] += settlement.refunded
+        if span is not None:
+            span.set_attributes(
+                {
+                    "extproc.reserved": settlement.reserved,
+                    "extproc.refunded": settlement.refunded,
+                    "extproc.already_settled": settlement.already_settled,
+                    "extproc.queued": settlement.queued,
+                }
+            )
+            span.end()
 
     @property
     def _rid(self) -> str:

@@ -69,6 +69,7 @@ class Processor:
         port: int | None = None,
         drain_delay_s: float | None = 0.0,
         log_level: str = "warning",
+        env: dict[str, str] | None = None,
     ) -> Processor:
         """``prefix`` runs the processor under a launcher (e.g. ``taskset -c 0``).
 
@@ -95,7 +96,7 @@ class Processor:
             if not log_path.exists():
                 break
             log_path = log_dir / f"extproc-{port}-{n}.log"  # a restart keeps the old log
-        process = ManagedProcess(argv, log_path, cwd=ROOT)
+        process = ManagedProcess(argv, log_path, cwd=ROOT, env=env)
         process.wait_ready(lambda: grpc_serving(port), timeout_s=30)
         return cls(process, port, metrics_port)
 
