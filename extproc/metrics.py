@@ -50,6 +50,8 @@ class Metrics:
     quota_queued_total: int = 0
     quota_queue_applied_total: int = 0
     quota_queue_dropped_total: int = 0  # queue full (or a call that kept failing): lost
+    config_reloads_total: int = 0  # new configurations installed (extproc.config.reload)
+    config_reload_failures_total: int = 0  # reloads refused: the old configuration stayed
 
     def refusal(self, code: str) -> None:
         self.refused[code] += 1
@@ -92,6 +94,8 @@ class Metrics:
             "quota_queued_total",
             "quota_queue_applied_total",
             "quota_queue_dropped_total",
+            "config_reloads_total",
+            "config_reload_failures_total",
         ):
             lines.append(f"extproc_{name} {getattr(self, name)}")
         for code, n in sorted(self.refused.items()):

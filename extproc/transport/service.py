@@ -106,7 +106,7 @@ class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
 
     async def _watch(self, session: Session, stream: _Stream) -> None:
         """FDX has no per-chunk timer: end a stream whose upstream went quiet, and settle."""
-        idle = self.runtime.config.stream_idle_timeout_s
+        idle = session.admission.config.stream_idle_timeout_s  # as when it was admitted
         while not session.finished:
             await asyncio.sleep(max(0.05, session.last_activity + idle - time.monotonic()))
             # A message being handled (waiting for a lease, say) is not an idle upstream.
