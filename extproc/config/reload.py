@@ -93,7 +93,9 @@ class ConfigReloader:
         self.overrides = dict(overrides or {})
         self.poll_s = poll_s
         self._lock = asyncio.Lock()  # one reload at a time, in the order asked
-        self._seen = _content_digest(self.path)  # what the poll compares against
+        # What the poll compares against. Unknown at first: the file may have changed since
+        # it was loaded at start, so the first poll loads it (a no-op when it hasn't).
+        self._seen: str | None = None
         self._poller: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -141,7 +143,9 @@ class ConfigReloader:
                 )
                 return False
             if registry is None:
-                log.info("config_unchanged", trigger=trigger, hash=old.hash)
+                # Asked for by a signal, say it was heard; a touched file is not news.
+                report = log.info if trigger == "sighup" else log.debug
+                report("config_unchanged", trigger=trigger, hash=old.hash)
                 return True
             self.runtime.install(new, registry)
             metrics.config_reloads_total += 1

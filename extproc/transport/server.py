@@ -67,6 +67,13 @@ async def serve(
     if not await runtime.backend.ping():
         raise RuntimeError(f"quota backend at {config.normalised['redis_url']} does not answer")
 
+    loop = asyncio.get_running_loop()
+    # Before SERVING: a SIGHUP sent once the processor answers is never lost.
+    reloader = None
+    if config_path is not None:
+        reloader = ConfigReloader(runtime, config_path, overrides, config_poll_s)
+        loop.add_signal_handler(signal.SIGHUP, reloader.request, "sighup")
+        reloader.start()
     server = grpc.aio.server(
         options=[
             ("grpc.max_concurrent_streams", 10000),
@@ -90,20 +97,14 @@ async def serve(
         "serving",
         listen=config.listen,
         port=port,
-        config_hash=config.hash,
+        config_hash=runtime.config.hash,
         backend=config.normalised["redis_url"],
         metrics=metrics_listen,
     )
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    reloader = None
-    if config_path is not None:
-        reloader = ConfigReloader(runtime, config_path, overrides, config_poll_s)
-        loop.add_signal_handler(signal.SIGHUP, reloader.request, "sighup")
-        reloader.start()
     await stop.wait()
     if reloader is not None:
         # Stopping: the configuration stays as it is now (SIGHUP must not kill the drain).

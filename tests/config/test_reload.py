@@ -222,3 +222,20 @@ def test_the_supervisor_passes_sighup_to_every_worker(
         assert supervisor.proc.poll() is None
     finally:
         assert supervisor.stop(30) == 0
+
+
+def test_a_rotated_upstream_key_file_is_read_again_on_sighup_with_the_same_hash(
+    tmp_path: Path, processors: list[Processor]
+) -> None:
+    secret = tmp_path / "upstream.key"
+    secret.write_text("sk-upstream-1\n")
+    models = {"gpt-4.1": {**MODELS["gpt-4.1"], "upstream_api_key_file": str(secret)}}
+    path = write_config(tmp_path / "quota.yaml", config({"alpha": 100}, models=models))
+    processors.append(p := start_processor(path, tmp_path))
+    assert admit(p.port, key("alpha"))[1]["authorization"] == "Bearer sk-upstream-1"
+
+    secret.write_text("sk-upstream-2\n")  # only the secret changed: the hash doesn't show it
+    sighup_and_wait(p, "config_reloads_total")
+    [line] = records(p, "config_reloaded")
+    assert line["old_hash"] == line["new_hash"]
+    assert admit(p.port, key("alpha"))[1]["authorization"] == "Bearer sk-upstream-2"

@@ -64,7 +64,8 @@ def admit(port: int, api_key: str, model: str = "gpt-4.1") -> tuple[int, dict[st
     """Ask the processor to admit one chat request, as Envoy would (headers, then the body,
     then end of stream: the request is settled having delivered nothing).
 
-    (200, {}) when it was admitted; else the status and JSON body of its local reply.
+    (200, the headers it sets upstream) when it was admitted; else the status and the JSON
+    body of its local reply.
     """
     body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "Hi"}]})
     requests = [
@@ -86,7 +87,8 @@ def admit(port: int, api_key: str, model: str = "gpt-4.1") -> tuple[int, dict[st
         if reply.HasField("immediate_response"):
             return reply.immediate_response.status.code, orjson.loads(reply.immediate_response.body)
     assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body"]
-    return ADMITTED, {}
+    mutation = replies[1].request_body.response.header_mutation
+    return ADMITTED, {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
 
 
 def metric(processor: Processor, name: str) -> float:
