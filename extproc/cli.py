@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 
 import orjson
 import structlog
 
 from extproc.config import ConfigError, load_config
+from extproc.config.reload import DEFAULT_POLL_S
 
 
 def _configure_logging(level: str) -> None:
@@ -44,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
+        "--config-poll-s",
+        type=float,
+        default=DEFAULT_POLL_S,
+        help="seconds between two reads of the --config file: a changed content is "
+        "reloaded as on SIGHUP (0: only SIGHUP reloads)",
+    )
+    serve.add_argument(
         "--workers",
         type=int,
         default=1,
@@ -73,14 +82,21 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
 
+    # Until the server's handler is installed, a SIGHUP (a reload asked too early, or passed
+    # on by the supervisor to a worker still starting) must not kill the process.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _configure_logging(args.log_level)
+    if args.config_poll_s < 0:
+        print("--config-poll-s must be >= 0", file=sys.stderr)
+        return 2
     overrides = {
         "listen": args.listen,
         "redis_url": args.redis_url,
         "drain_delay_s": args.drain_delay_s,
     }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
-        config = load_config(args.config, {k: v for k, v in overrides.items() if v is not None})
+        config = load_config(args.config, overrides)
     except ConfigError as exc:
         print(f"invalid config: {exc}", file=sys.stderr)
         return 2
@@ -96,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"extproc: {problem}", file=sys.stderr)
             return 2
         shared = ["--config", args.config, "--log-level", args.log_level]
+        shared += ["--config-poll-s", str(args.config_poll_s)]
         if args.redis_url:
             shared += ["--redis-url", args.redis_url]
         if args.drain_delay_s is not None:
@@ -104,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     from extproc.transport.server import serve as run_server
 
     try:
-        asyncio.run(run_server(config, args.metrics_listen))
+        asyncio.run(
+            run_server(config, args.metrics_listen, args.config, overrides, args.config_poll_s)
+        )
     except RuntimeError as exc:
         print(f"extproc: {exc}", file=sys.stderr)
         return 1

@@ -114,8 +114,8 @@ def _histograms() -> dict[str, HistogramFamily]:
          "Time body messages waited for a lease batch before their tokens could go out.",
          ("model", "plan"), LATENCY_BUCKETS),
         ("message", "extproc_message_duration_seconds",
-         "Processing time of one ext_proc message, read to answer written.", ("phase",),
-         MESSAGE_BUCKETS),
+         "Processing time of one ext_proc message, read to answer handed to the stream.",
+         ("phase",), MESSAGE_BUCKETS),
     )  # fmt: skip
     return {key: HistogramFamily(name, h, labels, b) for key, name, h, labels, b in specs}
 

@@ -36,6 +36,15 @@ def tokenizer_rules(config: Config) -> list[TokenizerRule]:
     return [*rules, *DEFAULT_RULES]
 
 
+def build_registry(config: Config) -> TokenizerRegistry:
+    """The tokenizers of ``config``, each configured model's resolved now (loading a
+    vocabulary takes up to a second: never on a client's first request)."""
+    registry = TokenizerRegistry(tokenizer_rules(config))
+    for model in config.models:
+        registry.counter_for(model)
+    return registry
+
+
 class Runtime:
     def __init__(self, config: Config, backend: QuotaBackend | None = None) -> None:
         self.config = config
@@ -92,6 +101,17 @@ class Runtime:
         for model in self.config.models:
             self.registry.counter_for(model)
         self.metrics.tokenizer_fallbacks_total = self.registry.load_failures
+
+    def install(self, config: Config, registry: TokenizerRegistry) -> None:
+        """Swap in a validated configuration (``extproc.config.reload``) and its warmed-up
+        tokenizers: one step on the loop, so every session sees the old admission side or the
+        new one, never a mix. Sessions keep the one they started with; the quota backend and
+        the prompt-counting pool are shared, not rebuilt."""
+        admission = Admission(config, self.backend, registry, self.metrics, self.spawn)
+        admission.prompts.close()  # its thread starts on first use: none was started
+        admission.prompts = self.admission.prompts
+        self.config, self.registry, self.admission = config, registry, admission
+        self.metrics.tokenizer_fallbacks_total = registry.load_failures
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run work that must finish even if the stream that started it is cancelled."""

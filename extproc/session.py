@@ -58,6 +58,7 @@ class Session:
     __slots__ = (
         "_body_answer",
         "_body_streamed",
+        "admission",
         "admitted",
         "busy",
         "client_request_id",
@@ -74,6 +75,9 @@ class Session:
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        # The admission side at stream start: a reload mid-stream doesn't change the key
+        # ring, policies or limits this exchange is authenticated, admitted and billed by.
+        self.admission: Admission = runtime.admission
         self.tenant: TenantSpec | None = None
         # Charges are keyed by an id minted here per exchange: a client's x-request-id is
         # only a label (a replayed id must never be served uncharged).
@@ -115,10 +119,6 @@ class Session:
             return None
         out = await self.meter.on_shutdown()
         return None if out is None else msg.stream_response_body(out, True)
-
-    @property
-    def admission(self) -> Admission:
-        return self.runtime.admission
 
     def answer_now(self, request: msg.ProcessingRequest) -> msg.ProcessingResponse | None:
         """The answer to the common response body message when nothing must be awaited for
@@ -233,7 +233,9 @@ class Session:
             model, plan = admitted.metric_labels
             self.trace.admitted(admitted.request.endpoint, model, plan, self.tenant.id)
         self.admitted = admitted
-        self.meter = ResponseMeter(admitted, self.runtime, self.trace)
+        self.meter = ResponseMeter(
+            admitted, self.runtime, self.admission.config.refund_wait_s, self.trace
+        )
         self.runtime.open_sessions.add(self)
         self.runtime.metrics.admitted[admitted.metric_labels] += 1
         new_body = admitted.request.new_body

@@ -69,7 +69,11 @@ def delta_text(choice: dict[str, Any]) -> str:
 
 class ResponseMeter:
     def __init__(
-        self, admitted: Admitted, runtime: Runtime, trace: ExchangeSpan | None = None
+        self,
+        admitted: Admitted,
+        runtime: Runtime,
+        refund_wait_s: float | None = None,
+        trace: ExchangeSpan | None = None,
     ) -> None:
         self.admitted = admitted
         self.trace = trace  # tracing on: a span per lease batch and one for the settlement
@@ -91,7 +95,9 @@ class ResponseMeter:
         self.lease_task: asyncio.Task[None] | None = None
         self.exhausted = False
         self.refusals = 0  # leases refused while others held reservations (asked again)
-        self._refusal_retries = refund_retries(runtime.config.refund_wait_s)
+        self._refusal_retries = refund_retries(
+            runtime.config.refund_wait_s if refund_wait_s is None else refund_wait_s
+        )  # the config it was admitted under (a reload may have come since)
         self.retry_due = False  # the last lease was such a refusal: wait, then ask again
         self.exhausted_code = "tpm_limit_exceeded"
         self.started = False  # response headers seen: the watchdog applies from here

@@ -1,4 +1,5 @@
-"""The processor's gRPC server: ext_proc + standard health, graceful stop on SIGTERM.
+"""The processor's gRPC server: ext_proc + standard health, graceful stop on SIGTERM,
+configuration reload on SIGHUP and on file change (``extproc.config.reload``).
 
 Stop order: NOT_SERVING first, while new streams are still taken (``drain_delay_s``, until
 Envoy's health checks have seen it: Envoy sends no new stream to a processor refusing them);
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
+from typing import Any
 
 import grpc
 import structlog
@@ -21,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.exposition import choose_encoder
 
 from extproc.config import Config
+from extproc.config.reload import DEFAULT_POLL_S, ConfigReloader
 from extproc.runtime import Runtime
 from extproc.transport.service import ExternalProcessorService
 
@@ -47,7 +50,16 @@ async def _metrics_app(runtime: Runtime, listen: str) -> web.AppRunner:
     return runner
 
 
-async def serve(config: Config, metrics_listen: str | None = None) -> None:
+async def serve(
+    config: Config,
+    metrics_listen: str | None = None,
+    config_path: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    config_poll_s: float = DEFAULT_POLL_S,
+) -> None:
+    """Serve until SIGTERM/SIGINT. With ``config_path`` (the file ``config`` was loaded from,
+    with ``overrides``), SIGHUP and every change of its content seen by a poll each
+    ``config_poll_s`` (0: no poll) reload it."""
     runtime = Runtime(config)
     runtime.warm_up()
     # Tokenizer vocabularies are hundreds of thousands of long-lived objects: keep the cyclic
@@ -59,6 +71,13 @@ async def serve(config: Config, metrics_listen: str | None = None) -> None:
     if not await runtime.backend.ping():
         raise RuntimeError(f"quota backend at {config.normalised['redis_url']} does not answer")
 
+    loop = asyncio.get_running_loop()
+    # Before SERVING: a SIGHUP sent once the processor answers is never lost.
+    reloader = None
+    if config_path is not None:
+        reloader = ConfigReloader(runtime, config_path, overrides, config_poll_s)
+        loop.add_signal_handler(signal.SIGHUP, reloader.request, "sighup")
+        reloader.start()
     server = grpc.aio.server(
         options=[
             ("grpc.max_concurrent_streams", 10000),
@@ -82,17 +101,22 @@ async def serve(config: Config, metrics_listen: str | None = None) -> None:
         "serving",
         listen=config.listen,
         port=port,
-        config_hash=config.hash,
+        config_hash=runtime.config.hash,
         backend=config.normalised["redis_url"],
         metrics=metrics_listen,
     )
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if reloader is not None:
+        # Stopping: the configuration stays as it is now (SIGHUP must not kill the drain).
+        loop.add_signal_handler(signal.SIGHUP, log.info, "reload_ignored_while_stopping")
+        await reloader.stop()
 
+    # The shutdown timings of the configuration running now (they may have been reloaded).
+    config = runtime.config
     # 1. NOT_SERVING, new streams still taken until Envoy's health checks have seen it.
     log.info("shutting_down", open_streams=len(service.streams), drain_delay_s=config.drain_delay_s)
     await health_servicer.enter_graceful_shutdown()

@@ -71,8 +71,10 @@ class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
                 # Most messages are answered here, without a coroutine of their own.
                 response = session.answer_now(request)
                 if response is not None:
-                    await stream.write(response)
+                    # Timed to the answer handed to the stream: the last write of a stream
+                    # may be cancelled as Envoy closes it, and the message was answered.
                     body_timing.observe(monotonic() - started)
+                    await stream.write(response)
                     continue
                 session.busy = True
                 if request.HasField("response_trailers"):
@@ -80,11 +82,11 @@ class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
                     if tail is not None:
                         await stream.write(tail)
                 response = await session.handle(request)
+                phase = request.WhichOneof("request") or "unknown"
+                timings.labels(phase).observe(monotonic() - started)
                 if response is not None:
                     await stream.write(response)
                 session.busy = False
-                phase = request.WhichOneof("request") or "unknown"
-                timings.labels(phase).observe(monotonic() - started)
                 if watchdog is None and session.meter is not None and session.meter.started:
                     watchdog = asyncio.create_task(self._watch(session, stream))
                 if session.finished:
@@ -112,7 +114,7 @@ class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
 
     async def _watch(self, session: Session, stream: _Stream) -> None:
         """FDX has no per-chunk timer: end a stream whose upstream went quiet, and settle."""
-        idle = self.runtime.config.stream_idle_timeout_s
+        idle = session.admission.config.stream_idle_timeout_s  # as when it was admitted
         while not session.finished:
             await asyncio.sleep(max(0.05, session.last_activity + idle - time.monotonic()))
             # A message being handled (waiting for a lease, say) is not an idle upstream.

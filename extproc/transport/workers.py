@@ -26,11 +26,12 @@ Prometheus must scrape each worker (a scrape of a shared port would reach a rand
 so worker ``i`` serves /metrics on ``--metrics-listen`` port + ``i``.
 
 The supervisor, like gunicorn's arbiter: SIGTERM/SIGINT are passed to every worker so
-each drains as a lone processor does; a worker that exits while nobody asked it to is
-started again (logged), after a delay that doubles with each death of a worker that had
-not yet run ``STABLE_S`` — and after ``MAX_QUICK_DEATHS`` such deaths in a row the
-supervisor stops the others and exits 1 (a worker crashing at start never spins). A
-clean stop exits 0.
+each drains as a lone processor does; SIGHUP is passed to every running worker, and each
+reloads the configuration file on its own (each also polls the file); a worker that exits
+while nobody asked it to is started again (logged), after a delay that doubles with each
+death of a worker that had not yet run ``STABLE_S`` — and after ``MAX_QUICK_DEATHS`` such
+deaths in a row the supervisor stops the others and exits 1 (a worker crashing at start
+never spins). A clean stop exits 0.
 """
 
 from __future__ import annotations
@@ -99,7 +100,10 @@ def worker_argv(argv: list[str], index: int, listen: str, metrics: str | None) -
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM (drain) when the supervisor dies, even by SIGKILL."""
+    """In the child before exec: SIGTERM (drain) when the supervisor dies, even by SIGKILL;
+    SIGHUP ignored (kept across exec) until the worker's reload handler replaces it, so a
+    reload passed on to a worker still starting doesn't kill it."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -143,6 +147,7 @@ def supervise(argv: list[str], workers: int, listen: str, metrics: str | None) -
 
     signal.signal(signal.SIGTERM, note)
     signal.signal(signal.SIGINT, note)
+    signal.signal(signal.SIGHUP, note)
     log.info(
         "workers_starting",
         workers=workers,
@@ -154,6 +159,13 @@ def supervise(argv: list[str], workers: int, listen: str, metrics: str | None) -
     while True:
         while received:
             signum = received.pop(0)
+            if signum == signal.SIGHUP:  # a reload: every running worker, no stop
+                pids = [s.proc.pid for s in slots if s.proc is not None and s.proc.poll() is None]
+                log.info("workers_reloading", pids=pids)
+                for slot in slots:
+                    if slot.proc is not None and slot.proc.poll() is None:
+                        slot.proc.send_signal(signum)
+                continue
             if not forwarded:
                 log.info("workers_stopping", signal=signal.Signals(signum).name)
             forwarded.add(signum)

@@ -23,6 +23,7 @@ from tests.support.gateway import (
     wait_until,
     write_config,
 )
+from tests.support.metrics import parse_metrics
 from tests.support.redis_server import RedisServer
 from tests.support.simulator import Simulator
 
@@ -102,13 +103,20 @@ def scraped(
     with pytest.raises(openai.BadRequestError):
         client(gw, TEAM[1]).chat.completions.create(model=MODEL, messages=[], max_tokens=-5)
     processor = gw.processors[0]
+    url = f"http://127.0.0.1:{processor.metrics_port}/metrics"
+    last: list[dict[str, float]] = []
 
-    def settled() -> bool:
-        m = processor.metrics()
-        return m.get("extproc_settlements_total", 0) >= m["extproc_requests_admitted_total"]
+    def quiet() -> bool:
+        # Settled, and nothing moves between two scrapes: the settlement counter goes up
+        # when settling starts, its quota call and the last message timings land after.
+        m = {k: v for k, v in parse_metrics(http_get(url)[1]).items() if "process_" not in k}
+        done = m.get("extproc_settlements_total", 0) >= m["extproc_requests_admitted_total"]
+        same = bool(last) and last[-1] == m
+        last.append(m)
+        return done and same
 
-    assert wait_until(settled, timeout_s=30)
-    _, text = http_get(f"http://127.0.0.1:{processor.metrics_port}/metrics")
+    assert wait_until(quiet, timeout_s=30, interval_s=0.2)
+    _, text = http_get(url)
     r = redis.Redis(port=redis_server.port, decode_responses=True)
     charged = {tenant: counter_value(r, tenant, "tpm", MODEL) for tenant in (*TEAM, TINY)}
     r.close()
