@@ -4,7 +4,8 @@ Names, HELP texts, labels (``model_name``, ``finish_reason``) and buckets are th
 simulator's (pkg/llm-d-inference-sim/metrics.go, pkg/common/utils.go, v0.10.2). Counting is on
 the hot path of every chunk, so it stays an integer addition and one ``bisect`` on a per-model
 object (measured 0.43 µs per chunk, clock read included, against 1.72 µs for prometheus_client's
-``Counter.inc`` + ``Histogram.observe``); a custom collector turns that state into metric
+``Counter.inc`` + ``Histogram.observe``; a whole streamed chunk costs the simulator ~11-12 µs of
+CPU either way); a custom collector turns that state into metric
 families when ``/metrics`` is read, in a registry owned by each rank.
 """
 

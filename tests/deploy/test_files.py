@@ -12,6 +12,7 @@ import tomllib
 
 import pytest
 import yaml
+from setuptools import find_packages
 
 from extproc.config import load_config
 from stack.envoy import envoy_binary
@@ -301,9 +302,10 @@ def test_dockerfile_installs_what_the_readme_documents():
     assert [t.split("[")[0] for t in _targets(setup)] == ["."]
     # The image holds the distribution's packages and no tests.
     copied = {c.split()[0] for c in re.findall(r"^COPY\s+(.*)$", dockerfile, re.M)}
-    packages = {
-        p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
-    }
+    find = PYPROJECT["tool"]["setuptools"]["packages"]["find"]
+    packages = {p.rstrip("*") for p in find["include"]}
     assert packages <= copied and "tests" not in copied
+    installed = find_packages(str(ROOT), include=list(find["include"]))
+    assert installed and not [p for p in installed if p.split(".")[0] == "tests"]
     (entry,) = re.findall(r'^ENTRYPOINT \["(\w+)"\]', dockerfile, re.M)
     assert entry in PYPROJECT["project"]["scripts"]
