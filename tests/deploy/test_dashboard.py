@@ -9,12 +9,12 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
+import openai
 import pytest
 
-from tests.deploy.conftest import DEPLOY, load_yaml
-from tests.support.gateway import Processor, http_get
+from tests.deploy.conftest import DEPLOY, PRO_KEY, Deployed, load_yaml
+from tests.support.gateway import http_get
 from tests.support.simulator import running_simulator
 
 DASHBOARD = json.loads((DEPLOY / "grafana" / "extproc-dashboard.json").read_text())
@@ -151,24 +151,15 @@ def test_every_vllm_metric_of_the_dashboard_is_served_by_the_simulator(tmp_path)
     assert not missing, missing
 
 
-@pytest.fixture(scope="module")
-def processor(tmp_path_factory) -> Iterator[Processor]:
-    """The deployment's own quota file, on the in-memory backend."""
-    log_dir = tmp_path_factory.mktemp("extproc")
-    with pytest.MonkeyPatch.context() as env:  # inherited by the child, then gone
-        env.setenv("UPSTREAM_API_KEY", "the-simulator-checks-no-key")
-        proc = Processor.start(DEPLOY / "extproc" / "quota.yaml", log_dir, redis_url="memory://")
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
 # The processor's metrics are being rewritten on prometheus_client in parallel: until that
 # lands, most of the dashboard's extproc_* names are not served yet. Strict: once they are,
 # this XPASSes and fails, and the marker goes.
 @pytest.mark.xfail(strict=True, reason="extproc_* metrics land with the prometheus_client rewrite")
-def test_every_processor_metric_of_the_dashboard_is_served_by_the_processor(processor):
+def test_every_processor_metric_of_the_dashboard_is_served_by_the_processor(deployed: Deployed):
+    client = openai.OpenAI(base_url=f"{deployed.base_url}/v1", api_key=PRO_KEY, max_retries=0)
+    for stream in (True, False):  # a request of each kind through Envoy first
+        client.completions.create(model="gpt-4.1", prompt="x", max_tokens=3, stream=stream)
+    processor = deployed.processors[0]
     _, text = http_get(f"http://127.0.0.1:{processor.metrics_port}/metrics")
     served = served_series(text)
     used = dashboard_names("extproc_") | dashboard_names("process_")
@@ -176,7 +167,8 @@ def test_every_processor_metric_of_the_dashboard_is_served_by_the_processor(proc
     assert not missing, missing
 
 
-def test_compose_healthcheck_passes_against_a_serving_processor(processor, tmp_path: Path):
+def test_compose_healthcheck_passes_against_a_serving_processor(deployed: Deployed):
+    processor = deployed.processors[0]
     compose = load_yaml(DEPLOY / "docker-compose.yaml")
     test = compose["services"]["extproc"]["healthcheck"]["test"]
     assert test[:3] == ["CMD", "python", "-c"]
