@@ -193,6 +193,9 @@ def test_model_server_ports_match_the_bootstrap_and_the_profile(bootstrap, compo
     c = container(k8s_objects, host)
     assert c["ports"][0]["containerPort"] == svc["spec"]["ports"][0]["port"] == port
     assert flag(c["args"], "--config") == "/etc/llm-sim/fast.yaml"
+    for argv in (service["command"], c["args"]):
+        flags = {a[2:] for a in argv if a.startswith("--")}
+        assert flags - {"config"} <= REAL_SIM_KEYS, flags  # every flag is also a YAML key
 
 
 def test_envoy_listener_and_config_path_match(bootstrap, compose, k8s_objects):
