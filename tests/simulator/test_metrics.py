@@ -14,6 +14,8 @@ from tests.simulator.conftest import stream_events
 from tests.simulator.test_config import _two_free_ports
 from tests.support.simulator import Simulator
 
+Families = dict[str, tuple[str, str, list[Sample]]]  # name -> (type, HELP, samples)
+
 # Every family llm-d-inference-sim v0.10.2 serves that llmsim can count for real
 # (pkg/llm-d-inference-sim/metrics.go), with its type.
 REAL_SIM_FAMILIES = {
@@ -42,7 +44,7 @@ TPOT_LE = "0.01 0.025 0.05 0.075 0.1 0.15 0.2 0.3 0.4 0.5 0.75 1.0 2.5 5.0 7.5 1
 LATENCY_LE = "0.3 0.5 0.8 1.0 1.5 2.0 2.5 5.0 10.0 15.0 20.0 30.0 40.0 50.0 60.0 120.0 240.0 480.0 960.0 1920.0 7680.0"  # noqa: E501
 
 
-def scrape(url: str) -> tuple[str, dict[str, tuple[str, str, list[Sample]]]]:
+def scrape(url: str) -> tuple[str, Families]:
     with urllib.request.urlopen(url) as resp:
         content_type = resp.headers["Content-Type"]
         text = resp.read().decode()
@@ -52,14 +54,14 @@ def scrape(url: str) -> tuple[str, dict[str, tuple[str, str, list[Sample]]]]:
     return content_type, families
 
 
-def value(families, family: str, sample: str, **labels: str) -> float:
+def value(families: Families, family: str, sample: str, **labels: str) -> float:
     for s in families[family][2]:
         if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
             return s.value
     raise KeyError(f"{sample} {labels}")
 
 
-def bucket_bounds(families, family: str) -> list[str]:
+def bucket_bounds(families: Families, family: str) -> list[str]:
     return [
         s.labels["le"]
         for s in families[family][2]
