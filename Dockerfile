@@ -1,6 +1,9 @@
-# The processor as a sidecar image. Envoy runs in its own container next to it; the
-# bootstrap in envoy_config/ points its quota_extproc cluster at this container's port.
-FROM python:3.11-slim
+# The processor image: `pip install .` of pyproject.toml on Python 3.11, the install README.md
+# ("Deploying") documents, and nothing else: no test extras, no tests. Envoy runs in its own
+# container; deploy/ holds the compose file and Kubernetes manifests that run it.
+#   docker build -t token-quota-extproc:0.1.0 .
+# 3.11.7 is the interpreter the test suite runs on; bump it with the suite.
+FROM python:3.11.7-slim-bookworm
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
@@ -8,9 +11,13 @@ COPY extproc ./extproc
 COPY llmsim ./llmsim
 COPY stack ./stack
 RUN pip install --no-cache-dir . \
-    && useradd --system --uid 10001 extproc
-USER extproc
+    && groupadd --system --gid 10001 extproc \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home extproc
+# Numeric, so Kubernetes' runAsNonRoot can check it.
+USER 10001:10001
 
+LABEL org.opencontainers.image.title="token-quota-extproc" \
+      org.opencontainers.image.version="0.1.0"
 EXPOSE 50051 9464
 ENTRYPOINT ["extproc"]
 CMD ["serve", "--config", "/etc/extproc/quota.yaml", "--listen", "0.0.0.0:50051", \

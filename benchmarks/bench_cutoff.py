@@ -38,7 +38,7 @@ def aborts(sim: Simulator) -> int:
     return sum(
         int(float(line.rsplit(" ", 1)[1]))
         for line in text.splitlines()
-        if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line
+        if line.startswith("vllm:request_success_total") and 'finish_reason="abort"' in line
     )
 
 

@@ -3,7 +3,7 @@
 One ``Rank`` is one simulated engine (queue, metrics) behind one port; data-parallel ranks
 share the configuration and model catalog. Streams are written event by event with the
 transport checked after each write, so a client that goes away stops generation at the
-next token, and the request is counted as ``finished_reason="abort"``.
+next token, and the request is counted as ``finish_reason="abort"``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from llmsim import latency
 from llmsim.catalog import ServedModel
@@ -49,7 +50,7 @@ class Rank:
         self.catalog = catalog
         self.rng = rng
         self.engine = Engine(cfg.max_num_seqs, cfg.max_waiting_queue_length)
-        self.metrics = Metrics(sorted({m.display for m in catalog.values()}))
+        self.metrics = Metrics(sorted({m.display for m in catalog.values()}), cfg.max_model_len)
         self.started_at = time.monotonic()
 
     def app(self) -> web.Application:
@@ -80,7 +81,8 @@ class Rank:
         return web.Response(status=200)
 
     async def metrics_text(self, _: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
+        body = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
     async def get_config(self, _: web.Request) -> web.Response:
         return _json(to_public_dict(self.holder.current))
@@ -201,13 +203,14 @@ class _Run:
         self.stats = stats
         self.request_id = request_id
         self.generated = 0
+        self.first_token_at: float | None = None
 
     async def execute(
         self, ticket: Ticket, headers: dict[str, str], started: float
     ) -> web.StreamResponse:
         stats = self.stats
         outcome = "abort"
-        running = False
+        run_start: float | None = None
         response: web.StreamResponse | None = None
         try:
             if self.req.stream:
@@ -222,7 +225,8 @@ class _Run:
                     await ticket.wait()
                 finally:
                     stats.waiting -= 1
-            running = True
+            run_start = time.monotonic()
+            stats.queue.observe(run_start - started)
             stats.running += 1
             stats.prompt_tokens += self.prompt_tokens
             rng = self.rank.rng
@@ -246,10 +250,16 @@ class _Run:
             return response
         finally:
             ticket.release()
-            if running:
+            ended = time.monotonic()
+            if run_start is not None:
                 stats.running -= 1
-            stats.success[outcome] += 1
-            stats.e2e.observe(time.monotonic() - started)
+                stats.inference.observe(ended - run_start)
+                first = self.first_token_at
+                if first is not None:
+                    stats.prefill.observe(first - run_start)
+                    stats.decode.observe(ended - first)
+            stats.finished(self.prompt_tokens, self.generated, self.req.max_tokens, outcome)
+            stats.e2e.observe(ended - started)
 
     def _decode_delay(self, tokens: int) -> float:
         cfg = self.cfg
@@ -262,11 +272,17 @@ class _Run:
 
     async def _complete(self, headers: dict[str, str], started: float) -> web.Response:
         answer = self.answer
-        self.stats.ttft.observe(time.monotonic() - started)
+        stats = self.stats
+        self.first_token_at = first = time.monotonic()
+        stats.ttft.observe(first - started)
         delay = self._decode_delay(answer.completion_tokens - 1)
         if delay > 0:
             await asyncio.sleep(delay)
-        self.stats.generation_tokens += answer.completion_tokens
+        if answer.completion_tokens > 1:
+            gap = (time.monotonic() - first) / (answer.completion_tokens - 1)
+            stats.itl.observe(gap, answer.completion_tokens - 1)
+        stats.generation_tokens += answer.completion_tokens
+        self.generated = answer.completion_tokens
         text = "".join(answer.pieces)
         if self.req.kind == "chat":
             choice: dict[str, Any] = {
@@ -321,6 +337,7 @@ class _Run:
         if req.kind == "chat":
             pending = events.role(usage_json(prompt_tokens, 0) if continuous else None)
         next_at = loop.time()
+        last_at = 0.0
         for index, (text, tokens) in enumerate(groups):
             if paced:
                 # The event leaves when its last token is "generated": deadlines, not sleeps,
@@ -337,9 +354,15 @@ class _Run:
                 )
             else:
                 event = events.token(escape(text))
+            now = time.monotonic()
             if index == 0:
-                stats.ttft.observe(time.monotonic() - started)
+                self.first_token_at = now
+                stats.ttft.observe(now - started)
                 event = pending + event
+            else:
+                # One observation per token of the event, the gap shared out between them.
+                stats.itl.observe((now - last_at) / tokens, tokens)
+            last_at = now
             if chaos.active:
                 if not await self._chaos_write(response, event, index, chaos, events):
                     return "abort"

@@ -115,7 +115,7 @@ def sim_metric(sim: Simulator, name: str, label: str = "") -> int:
 
 
 def aborts(sim: Simulator) -> int:
-    return sim_metric(sim, "vllm:request_success_total", 'finished_reason="abort"')
+    return sim_metric(sim, "vllm:request_success_total", 'finish_reason="abort"')
 
 
 def running(sim: Simulator) -> int:

@@ -75,7 +75,7 @@ async def test_disconnect_rate_cuts_streams_before_done(sim: Simulator, chaos):
     await chaos({"ext-disconnect-rate": 100})
     async with aiohttp.ClientSession() as session:
         aborts = await read_metric(
-            session, sim, "vllm:request_success_total", finished_reason="abort"
+            session, sim, "vllm:request_success_total", finish_reason="abort"
         )
         raw, clean = await _raw_stream(sim)
         counted = await wait_for_metric(
@@ -83,7 +83,7 @@ async def test_disconnect_rate_cuts_streams_before_done(sim: Simulator, chaos):
             sim,
             "vllm:request_success_total",
             lambda v: v > aborts,
-            finished_reason="abort",
+            finish_reason="abort",
         )
     events = parse_sse(raw)
     assert not clean, "the connection should be cut, not finished"

@@ -77,7 +77,7 @@ async def test_disconnect_stops_generation_within_an_inter_token_interval(sim: S
         await _admin(session, sim, {"inter-token-latency": "50ms"})
         try:
             aborts = await read_metric(
-                session, sim, "vllm:request_success_total", finished_reason="abort", **MODEL
+                session, sim, "vllm:request_success_total", finish_reason="abort", **MODEL
             )
             before = await read_metric(session, sim, "vllm:generation_tokens_total", **MODEL)
             arrived = await _read_events_then_close(sim, 5, max_tokens=400)
@@ -86,7 +86,7 @@ async def test_disconnect_stops_generation_within_an_inter_token_interval(sim: S
                 sim,
                 "vllm:request_success_total",
                 lambda v: v > aborts,
-                finished_reason="abort",
+                finish_reason="abort",
                 **MODEL,
             )
             assert counted == aborts + 1
@@ -108,7 +108,7 @@ async def test_disconnect_stops_generation_within_an_inter_token_interval(sim: S
 async def test_disconnect_at_zero_latency_stops_a_long_stream_early(sim: Simulator):
     async with aiohttp.ClientSession() as session:
         aborts = await read_metric(
-            session, sim, "vllm:request_success_total", finished_reason="abort", **MODEL
+            session, sim, "vllm:request_success_total", finish_reason="abort", **MODEL
         )
         before = await read_metric(session, sim, "vllm:generation_tokens_total", **MODEL)
         await _read_events_then_close(sim, 20, max_tokens=100_000)
@@ -117,7 +117,7 @@ async def test_disconnect_at_zero_latency_stops_a_long_stream_early(sim: Simulat
             sim,
             "vllm:request_success_total",
             lambda v: v > aborts,
-            finished_reason="abort",
+            finish_reason="abort",
             **MODEL,
         )
         generated = await read_metric(session, sim, "vllm:generation_tokens_total", **MODEL)
@@ -155,7 +155,7 @@ async def test_disconnect_while_queued_leaves_the_queue_and_counts_abort(tmp_pat
                 sim,
                 "vllm:request_success_total",
                 lambda v: v == 1,
-                finished_reason="abort",
+                finish_reason="abort",
                 **MODEL,
             )
             text = await holder.text()  # the running stream is unaffected
@@ -164,7 +164,7 @@ async def test_disconnect_while_queued_leaves_the_queue_and_counts_abort(tmp_pat
                 sim,
                 "vllm:request_success_total",
                 lambda v: v == 1,
-                finished_reason="length",
+                finish_reason="length",
                 **MODEL,
             )
     assert aborts == 1

@@ -84,7 +84,7 @@ async def test_requests_beyond_max_num_seqs_wait_and_a_full_queue_refuses(tmp_pa
 
             async def finished() -> float:
                 return await read_metric(
-                    session, sim, "vllm:request_success_total", finished_reason="length"
+                    session, sim, "vllm:request_success_total", finish_reason="length"
                 )
 
             streams = [
