@@ -164,9 +164,11 @@ def seeds_to_url(seeds: Sequence[Any]) -> str:
             raise ValueError(f"[{i}]: must be a redis://host:port string, got {seed!r}")
         scheme, rest = _split_scheme(seed)
         if scheme not in ("redis", "rediss"):
-            raise ValueError(f"[{i}]: a cluster seed must be redis:// or rediss://, got {_safe(seed)}")
+            raise ValueError(
+                f"[{i}]: a cluster seed must be redis:// or rediss://, got {_safe(seed)}"
+            )
         cred, at, location = rest.rpartition("@")
-        host, slash, path = location.partition("/")
+        host, _, path = location.partition("/")
         if path not in ("", "0") or "?" in location:
             raise ValueError(f"[{i}]: a cluster seed takes no database or options: {_safe(seed)}")
         try:
@@ -333,4 +335,3 @@ def backend_for(
         owner_id=owner_id,
         settled_ttl_s=settled_ttl_s,
     )
-

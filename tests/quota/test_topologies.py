@@ -109,7 +109,9 @@ def test_url_errors_never_print_the_password() -> None:
 
 
 def test_parsed_topologies_keep_nodes_credentials_service_and_db() -> None:
-    sentinel = parse_redis_url("redis+sentinel://u:p%40ss@a:1,[::1]:2/my%20svc/3?sentinel_password=s")
+    sentinel = parse_redis_url(
+        "redis+sentinel://u:p%40ss@a:1,[::1]:2/my%20svc/3?sentinel_password=s"
+    )
     assert sentinel.kind == "sentinel" and sentinel.nodes == (("a", 1), ("::1", 2))
     assert (sentinel.username, sentinel.password, sentinel.service, sentinel.db) == (
         "u", "p@ss", "my svc", 3,
@@ -339,7 +341,9 @@ class Load:
             await asyncio.sleep(0.002)
 
     def ok_since(self, t: float, tenants: list[str]) -> int:
-        return sum(1 for at, tenant, kind in self.events if at > t and tenant in tenants and kind == "ok")
+        return sum(
+            1 for at, tenant, kind in self.events if at > t and tenant in tenants and kind == "ok"
+        )
 
 
 @dataclass
@@ -511,9 +515,7 @@ async def test_sentinel_master_failover_under_load_charges_no_token_twice(
 
     def fail_over() -> None:
         if how == "graceful":
-            sentinel.sentinels[0].client().execute_command(
-                "SENTINEL", "FAILOVER", sentinel.service
-            )
+            sentinel.sentinels[0].client().execute_command("SENTINEL", "FAILOVER", sentinel.service)
         elif how == "sigkill":
             old.kill()
         else:

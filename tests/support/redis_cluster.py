@@ -245,7 +245,9 @@ class SentinelSet:
             data.append(master)
             data.append(
                 _start_server(
-                    directory / "replica", free_port(), ["--replicaof", "127.0.0.1", str(master.port)]
+                    directory / "replica",
+                    free_port(),
+                    ["--replicaof", "127.0.0.1", str(master.port)],
                 )
             )
             for i in range(3):
