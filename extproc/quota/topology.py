@@ -27,23 +27,29 @@ written by the same script, replicated with it, as the charge.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 from urllib.parse import parse_qsl, unquote
 
 import redis.asyncio as aioredis
+import structlog
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.quota.base import SETTLED_TTL_S
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.quota.resp import Script
+
+log = structlog.get_logger("extproc.topology")
 
 TopologyKind = Literal["single", "cluster", "sentinel"]
 
@@ -57,6 +63,7 @@ _CERT_REQS = ("none", "optional", "required")
 # so a call that lands in the seconds of a failover gets the new master when it is ready.
 CLIENT_RETRIES = 3
 _BACKOFF = ExponentialWithJitterBackoff(base=0.02, cap=0.2)
+SENTINEL_CHECK_S = 0.1  # how often a Sentinel client re-asks which server is the master
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,29 +211,117 @@ class ClientScripts:
     is the backend's own and is closed by it, not here.
     """
 
-    def __init__(self, client: aioredis.Redis | RedisCluster) -> None:
+    def __init__(
+        self, client: aioredis.Redis | RedisCluster, master_check_s: float | None = None
+    ) -> None:
         self.client = client
         self._cluster = isinstance(client, RedisCluster)
+        # Sentinel only: how often to ask the sentinels which server is the master.
+        self._master_check_s = master_check_s
+        self._watcher: asyncio.Task[None] | None = None
+        self.fenced = False  # a Sentinel failover is under way: calls fail at once
 
     async def run_script(self, script: Script, keys: list[Any], args: list[Any]) -> Any:
         try:
-            return await self.client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            return await self._command("EVALSHA", script.sha, len(keys), *keys, *args)
         except NoScriptError:
-            return await self.client.execute_command("EVAL", script.text, len(keys), *keys, *args)
+            return await self._command("EVAL", script.text, len(keys), *keys, *args)
 
     async def execute(self, *args: Any) -> Any:
         if args and str(args[0]).upper() == "PING":
             # redis-py parses PONG into True; on a cluster every master must answer (the
             # breaker's probe: a master without a promoted replica still fails calls).
             if self._cluster:
-                await self.client.execute_command("PING", target_nodes=RedisCluster.PRIMARIES)
+                await self._command("PING", target_nodes=RedisCluster.PRIMARIES)
             else:
-                await self.client.execute_command("PING")
+                await self._command("PING")
             return "PONG"
-        return await self.client.execute_command(*args)
+        return await self._command(*args)
+
+    async def _command(self, *args: Any, **options: Any) -> Any:
+        if self._master_check_s is not None and self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_master())
+        if self.fenced:
+            raise RedisConnectionError("Sentinel failover in progress")
+        for attempt in itertools.count():
+            try:
+                return await self.client.execute_command(*args, **options)
+            except (AttributeError, TypeError) as exc:
+                # redis-py 8.1's asyncio write path leaks these for a connection closed
+                # under it (a failover's reconnects; redis/redis-py#4287, #3546) instead of
+                # ConnectionError. The outcome is unknown as for any lost connection, and
+                # the scripts are idempotent: retry (the deadline bounds it), then give up.
+                if attempt >= CLIENT_RETRIES:
+                    raise RedisConnectionError(
+                        f"connection closed under the call: {exc!r}"
+                    ) from exc
+        raise AssertionError("unreachable")
+
+    async def _watch_master(self) -> None:
+        """Follow Sentinel's view of the master; fence the calls while it fails over.
+
+        Sentinel's failover is not coordinated with clients: after the replica is promoted
+        the old master stays a master until Sentinel reconfigures it (seconds; never while
+        it is cut off), and redis-py keeps using pooled connections to it: what is written
+        there is lost when it resyncs from the new master. redis-py asks Sentinel only when
+        it opens a connection, and asks whichever sentinel comes first, which may not know
+        of the failover yet. So every ``master_check_s`` all sentinels are asked:
+
+        * while any reports ``failover_in_progress`` (set before the replica is promoted),
+          every connection is dropped and calls fail at once (``QuotaUnavailable``, as any
+          unreachable Redis): a short 503 window instead of charges lost without a trace;
+        * the master with the highest config epoch wins and its sentinel goes first (new
+          connections ask it); when the master changes, every connection is dropped again.
+
+        A call cut off by a drop fails with ConnectionError and is retried (idempotent).
+        """
+        assert self._master_check_s is not None
+        pool: SentinelConnectionPool = self.client.connection_pool  # type: ignore[assignment]
+        manager = pool.sentinel_manager
+        known: tuple[str, int] | None = None
+
+        async def state(sentinel: Any) -> tuple[int, tuple[str, int], bool, Any] | None:
+            try:
+                async with asyncio.timeout(self._master_check_s * 4):  # type: ignore[operator]
+                    masters = await sentinel.sentinel_masters()
+            except (RedisError, OSError, TimeoutError):
+                return None
+            found = masters.get(pool.service_name)
+            if not found:
+                return None
+            failing_over = "failover_in_progress" in str(found.get("flags", ""))
+            if not failing_over and not manager.check_master_state(found, pool.service_name):
+                return None
+            epoch = int(found.get("config-epoch", 0))
+            return epoch, (found["ip"], int(found["port"])), failing_over, sentinel
+
+        while True:
+            await asyncio.sleep(self._master_check_s)
+            answers = [a for a in await asyncio.gather(*map(state, manager.sentinels)) if a]
+            if not answers:
+                continue  # no sentinel answers now: keep what we have
+            if any(a[2] for a in answers):
+                if not self.fenced:
+                    log.warning("sentinel_failover_fenced", master=known)
+                    self.fenced = True
+                    await pool.disconnect(inuse_connections=True)
+                continue
+            _, address, _, sentinel = max(answers, key=lambda a: a[0])
+            manager.sentinels.remove(sentinel)
+            manager.sentinels.insert(0, sentinel)
+            if known is not None and address != known:
+                log.warning("sentinel_master_changed", old=known, new=address)
+                pool.master_address = address
+                await pool.disconnect(inuse_connections=True)
+            known = address
+            self.fenced = False
 
     async def close(self) -> None:
-        return None
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+            self._watcher = None
 
 
 def _socket_timeout(socket_timeout_s: float | None, command_timeout_s: float | None) -> float:
@@ -330,7 +425,10 @@ def backend_for(
     client = build_client(topology, command_timeout_s=command_timeout_s, **client_options)
     return RedisQuotaBackend(
         client,  # type: ignore[arg-type]  # RedisCluster has the Redis commands it uses
-        ClientScripts(client),  # type: ignore[arg-type]  # the RespConnection interface
+        # the RespConnection interface
+        ClientScripts(  # type: ignore[arg-type]
+            client, SENTINEL_CHECK_S if topology.kind == "sentinel" else None
+        ),
         command_timeout_s=command_timeout_s,
         owner_id=owner_id,
         settled_ttl_s=settled_ttl_s,
