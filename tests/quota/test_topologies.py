@@ -409,6 +409,10 @@ async def run_failover(
     report = {
         "admissions": len(load.events),
         "unavailable_503": audit.unavailable,
+        # Tenants of the masters that did not fail: the breaker is one per backend.
+        "unavailable_503_other_masters": sum(
+            1 for _, t, kind in load.events if kind == "unavailable" and t not in affected
+        ),
         "unavailable_window_s": round(audit.unavailable_window_s, 3),
         "failover_observed_s": round(failed_over - started, 3),
         "admits_replayed_by_a_retry": audit.replayed_in_load,
