@@ -116,7 +116,7 @@ def parse_redis_url(url: str) -> Topology:
         return Topology("single", tls=scheme == "rediss")
     if scheme not in _CLUSTER_SCHEMES + _SENTINEL_SCHEMES:
         known = ", ".join(f"{s}://" for s in _SINGLE_SCHEMES + _CLUSTER_SCHEMES + _SENTINEL_SCHEMES)
-        raise ValueError(f"unknown scheme {scheme}:// (expected one of {known}, memory://)")
+        raise ValueError(f"not a Redis URL: unknown scheme {scheme}:// (use {known} or memory://)")
     rest, _, query = rest.partition("?")
     credentials, at, location = rest.rpartition("@")
     username = password = None
