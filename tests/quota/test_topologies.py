@@ -303,6 +303,7 @@ class Load:
     events: list[tuple[float, str, str]] = field(default_factory=list)
     errors: list[BaseException] = field(default_factory=list)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    slowest_s: float = 0.0  # the longest admission call (the deadline bounds it)
 
     async def one(self, tenant: str) -> None:
         counter = counter_of(tenant)
@@ -311,13 +312,16 @@ class Load:
         tokens = 100 + n % 7
         request = Request(tenant, key, AdmitRequest(key, (), (counter,), tokens))
         self.requests.append(request)
+        sent = time.monotonic()
         try:
             verdict = await self.backend.admit(request.admit)
         except QuotaUnavailable:  # the processor answers 503 and cancels the admission
             self.events.append((time.monotonic(), tenant, "unavailable"))
+            self.slowest_s = max(self.slowest_s, time.monotonic() - sent)
             await self.backend.cancel(key, (counter,))
             return
         self.events.append((time.monotonic(), tenant, "ok"))
+        self.slowest_s = max(self.slowest_s, time.monotonic() - sent)
         assert verdict.admitted, verdict
         request.admitted, request.replayed = True, verdict.replayed
         try:
@@ -415,6 +419,7 @@ async def run_failover(
         ),
         "unavailable_window_s": round(audit.unavailable_window_s, 3),
         "failover_observed_s": round(failed_over - started, 3),
+        "slowest_admission_s": round(load.slowest_s, 3),
         "admits_replayed_by_a_retry": audit.replayed_in_load,
         "records_lost": audit.records_lost,
         "settlements_lost": audit.settlements_lost,
