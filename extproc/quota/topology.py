@@ -220,6 +220,7 @@ class ClientScripts:
         self._master_check_s = master_check_s
         self._watcher: asyncio.Task[None] | None = None
         self.fenced = False  # a Sentinel failover is under way: calls fail at once
+        self.fences = 0  # failovers fenced so far
 
     async def run_script(self, script: Script, keys: list[Any], args: list[Any]) -> Any:
         try:
@@ -304,6 +305,7 @@ class ClientScripts:
                 if not self.fenced:
                     log.warning("sentinel_failover_fenced", master=known)
                     self.fenced = True
+                    self.fences += 1
                     await pool.disconnect(inuse_connections=True)
                 continue
             _, address, _, sentinel = max(answers, key=lambda a: a[0])

@@ -359,6 +359,7 @@ class Audit:
     records_lost: int
     settlements_lost: int
     tokens_lost: int
+    fences: int = 0  # Sentinel failovers the client fenced
 
 
 async def run_failover(
@@ -379,6 +380,7 @@ async def run_failover(
         metrics=Metrics(),
     )
     assert isinstance(backend, ResilientQuotaBackend)
+    scripts = backend.primary._scripts  # type: ignore[attr-defined]
     load = Load(backend, tenants)
     workers = [asyncio.create_task(load.worker(i)) for i in range(load.tasks)]
     try:
@@ -409,6 +411,7 @@ async def run_failover(
         await auditor.close()
     failures = [at for at, _, kind in load.events if kind == "unavailable"]
     audit.unavailable = len(failures)
+    audit.fences = getattr(scripts, "fences", 0)
     audit.unavailable_window_s = (max(failures) - min(failures)) if failures else 0.0
     report = {
         "admissions": len(load.events),
@@ -424,6 +427,7 @@ async def run_failover(
         "records_lost": audit.records_lost,
         "settlements_lost": audit.settlements_lost,
         "tokens_lost": audit.tokens_lost,
+        "sentinel_fences": audit.fences,
     }
     for name, value in report.items():
         record_property(f"{label}.{name}", value)
@@ -557,3 +561,5 @@ async def test_sentinel_master_failover_under_load_charges_no_token_twice(
         settled,
     )
     assert audit.admitted > 100
+    # The client saw the sentinels' failover_in_progress and held every call meanwhile.
+    assert audit.fences >= 1
