@@ -20,6 +20,7 @@ from extproc.config.schema import (
     PlanSpec,
     TenantSpec,
 )
+from extproc.quota.topology import parse_redis_url, seeds_to_url
 from extproc.tokens.registry import TokenizerRule
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -320,9 +321,7 @@ def parse_config(doc: Any) -> Config:
             except ValueError as exc:
                 raise ConfigError(f"tokenizers[{i}]", str(exc)) from exc
         tokenizers = tuple(dict(r) for r in tokenizers)
-    redis_url = _str(doc.get("redis_url", "memory://"), "redis_url")
-    if not redis_url.startswith(("redis://", "rediss://", "unix://", "memory://")):
-        raise ConfigError("redis_url", "must start with redis://, rediss://, unix:// or memory://")
+    redis_url = _redis_url(doc.get("redis_url", "memory://"))
 
     config = Config(
         listen=_str(doc.get("listen", "127.0.0.1:50051"), "listen"),
@@ -438,9 +437,31 @@ def _normalise(config: Config) -> dict[str, Any]:
     }
 
 
+def _redis_url(value: Any) -> str:
+    """One URL (any topology of ``extproc.quota.topology``, or ``memory://``), or a list of
+    ``redis://host:port`` seeds, which means a cluster (normalised to ``redis+cluster://``)."""
+    if isinstance(value, list):
+        try:
+            return seeds_to_url(value)
+        except ValueError as exc:
+            index = re.match(r"^\[(\d+)\]: ", str(exc))
+            if index:
+                raise ConfigError(f"redis_url[{index[1]}]", str(exc)[index.end() :]) from exc
+            raise ConfigError("redis_url", str(exc)) from exc
+    url = _str(value, "redis_url")
+    if url == "memory://":
+        return url
+    try:
+        parse_redis_url(url)
+    except ValueError as exc:
+        raise ConfigError("redis_url", str(exc)) from exc
+    return url
+
+
 def _redact(url: str) -> str:
     """Drop the password from a Redis URL so the normalised form can be printed and logged."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    url = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    return re.sub(r"(sentinel_password=)[^&]*", r"\1***", url)
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:

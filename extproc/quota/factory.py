@@ -9,6 +9,7 @@ from extproc.quota.base import QuotaBackend
 from extproc.quota.memory_backend import MemoryQuotaBackend
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.quota.resilient import Resilience, ResilientQuotaBackend
+from extproc.quota.topology import backend_for, parse_redis_url
 
 
 def backend_from_url(
@@ -19,7 +20,9 @@ def backend_from_url(
     **redis_options: Any,
 ) -> QuotaBackend:
     """``memory://`` for the single-instance embedded backend; ``redis://``, ``rediss://``
-    or ``unix://`` for the shared Redis backend (options go to ``RedisQuotaBackend.from_url``).
+    or ``unix://`` for the shared Redis backend (options go to ``RedisQuotaBackend.from_url``);
+    ``redis+cluster://`` and ``redis+sentinel://`` (``rediss+…``: TLS) for the same backend on
+    redis-py's cluster or Sentinel client (``extproc.quota.topology``; same options).
 
     With ``resilience`` (the processor always passes it) a Redis backend is wrapped in
     ``ResilientQuotaBackend``: circuit breaker, fail-open allowance, and a queue for what
@@ -30,7 +33,11 @@ def backend_from_url(
         if url != "memory://":
             raise ValueError(f"memory:// takes no host, path or options: {url!r}")
         return MemoryQuotaBackend()
-    backend = RedisQuotaBackend.from_url(url, **redis_options)
+    topology = parse_redis_url(url)
+    if topology.kind == "single":
+        backend = RedisQuotaBackend.from_url(url, **redis_options)
+    else:
+        backend = backend_for(topology, **redis_options)
     if resilience is None:
         return backend
     return ResilientQuotaBackend(
