@@ -61,12 +61,20 @@ from extproc.quota.base import (
     AdmitRequest,
     Counter,
     Grant,
+    LedgerSettings,
     QuotaUnavailable,
     Settlement,
+    SettleReason,
     Verdict,
 )
+from extproc.quota.keys import window_key
 from extproc.quota.memory_backend import MemoryQuotaBackend
-from extproc.quota.redis_backend import RedisQuotaBackend, load_lua
+from extproc.quota.redis_backend import (
+    WINDOW_RETRIES,
+    RedisQuotaBackend,
+    WrongWindow,
+    load_lua,
+)
 
 log = structlog.get_logger("extproc.quota.resilient")
 T = TypeVar("T")
@@ -136,6 +144,8 @@ class _Op:
     key: str
     counters: tuple[Counter, ...] = ()
     used: int = 0  # settle
+    reason: SettleReason = "completed"  # settle: for the usage ledger
+    output_tokens: int | None = None  # settle
     ttl_s: int = RECORD_TTL_S  # cancel: tombstone lifetime
     entries: tuple[tuple[str, int, int, int], ...] = ()  # absorb: (prefix, window, start, n)
     tokens: int = 0  # absorb: tokens served locally
@@ -161,7 +171,8 @@ class ResilientQuotaBackend:
         self.probe_interval_s = probe_interval_s
         self.queue_max = queue_max
         self._clock = clock
-        self.local = MemoryQuotaBackend(clock=clock)
+        # The allowance keeps no ledger: Redis's is the one (nothing to bound here).
+        self.local = MemoryQuotaBackend(clock=clock, ledger=LedgerSettings(enabled=False))
         # The absorb script runs on the Redis backend's own client, under its deadline.
         client = getattr(primary, "client", None) or primary._client
         self._absorb_script = client.register_script(load_lua("absorb.lua"))
@@ -364,16 +375,27 @@ class ResilientQuotaBackend:
     # -- settlement ------------------------------------------------------------------------
 
     async def settle(
-        self, reservation_key: str, token_counters: tuple[Counter, ...], used: int
+        self,
+        reservation_key: str,
+        token_counters: tuple[Counter, ...],
+        used: int,
+        *,
+        reason: SettleReason = "completed",
+        output_tokens: int | None = None,
     ) -> Settlement:
         windows.check_settle(used, token_counters)
+        windows.check_reason(reason, output_tokens, used)
         tracked = self._tracked.pop(reservation_key, None)
         if tracked is None or not tracked.local_record:
-            return await self._settle_remote(reservation_key, token_counters, used)
+            return await self._settle_remote(
+                reservation_key, token_counters, used, reason, output_tokens
+            )
         # Redis reserved the oldest part of the request, so it takes the oldest usage.
         used_remote = 0 if tracked.local else min(used, tracked.redis_reserved)
         used_local = used - used_remote
-        local = await self.local.settle(reservation_key, _local(token_counters), used_local)
+        local = await self.local.settle(
+            reservation_key, _local(token_counters), used_local, reason=reason
+        )
         self._absorb(reservation_key, tracked, token_counters, used_local)
         if tracked.local:
             return Settlement(
@@ -383,7 +405,12 @@ class ResilientQuotaBackend:
                 refunded_per_counter=local.refunded_per_counter,
                 queued=True,
             )
-        remote = await self._settle_remote(reservation_key, token_counters, used_remote)
+        # Redis's ledger entry holds its part; the output split goes with it as far as it
+        # fits (the absorbed rest has no entry: see the module docstring).
+        remote_output = None if output_tokens is None else min(output_tokens, used_remote)
+        remote = await self._settle_remote(
+            reservation_key, token_counters, used_remote, reason, remote_output
+        )
         return Settlement(
             reserved=remote.reserved + local.reserved,
             used=used,
@@ -394,12 +421,23 @@ class ResilientQuotaBackend:
         )
 
     async def _settle_remote(
-        self, key: str, token_counters: tuple[Counter, ...], used: int
+        self,
+        key: str,
+        token_counters: tuple[Counter, ...],
+        used: int,
+        reason: SettleReason = "completed",
+        output_tokens: int | None = None,
     ) -> Settlement:
         try:
-            return await self._guarded(lambda: self.primary.settle(key, token_counters, used))
+            return await self._guarded(
+                lambda: self.primary.settle(
+                    key, token_counters, used, reason=reason, output_tokens=output_tokens
+                )
+            )
         except QuotaUnavailable as exc:
-            queued = self._enqueue(_Op("settle", key, token_counters, used=used))
+            op = _Op("settle", key, token_counters, used=used, reason=reason)
+            op.output_tokens = output_tokens
+            queued = self._enqueue(op)
             if queued:
                 log.info("settle_queued", request_id=key, used=used, error=repr(exc))
             zeros = _zeros(token_counters)
@@ -467,11 +505,22 @@ class ResilientQuotaBackend:
             self._enqueue(_Op("absorb", absorb_key(key), entries=flat, tokens=used))
 
     async def _absorb_call(self, op: _Op) -> Any:
-        keys = [op.key, *(entry[0] for entry in op.entries)]
-        args: list[Any] = [RECORD_TTL_S, windows.EXPIRY_MARGIN_S]
-        for _, window_s, start, amount in op.entries:
-            args += (window_s, start, amount)
-        return await self.primary._call("absorb", self._absorb_script(keys=keys, args=args))
+        """Every entry is charged to its counter's current window on the server (the only
+        live one), whose key is passed; a wrong guess of the server's clock is retried."""
+        now_s = self.primary.server_now_s()
+        for _ in range(WINDOW_RETRIES + 1):
+            keys = [op.key]
+            args: list[Any] = [RECORD_TTL_S, windows.EXPIRY_MARGIN_S]
+            for prefix, window_s, start, amount in op.entries:
+                current = windows.window_start(now_s, window_s)
+                keys.append(window_key(prefix, current))
+                args += (window_s, current, start, amount)
+            reply = await self.primary._call("absorb", self._absorb_script(keys=keys, args=args))
+            if int(reply[0]) != 2:
+                return reply
+            self.primary.window_retries += 1
+            now_s = int(self.primary.learn_clock(reply[2], reply[3]))
+        raise WrongWindow("quota absorb: window keys kept missing the server's clock")
 
     # -- queue -----------------------------------------------------------------------------
 
@@ -502,7 +551,11 @@ class ResilientQuotaBackend:
 
     async def _apply(self, op: _Op) -> None:
         if op.kind == "settle":
-            await self._guarded(lambda: self.primary.settle(op.key, op.counters, op.used))
+            await self._guarded(
+                lambda: self.primary.settle(
+                    op.key, op.counters, op.used, reason=op.reason, output_tokens=op.output_tokens
+                )
+            )
         elif op.kind == "cancel":
             await self._guarded(lambda: self.primary.cancel(op.key, op.counters, op.ttl_s))
         else:
