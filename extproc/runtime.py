@@ -50,6 +50,7 @@ class Runtime:
                     queue_max=config.settle_queue_max,
                 ),
                 metrics=self.metrics,
+                ledger=config.usage_ledger,
             )
         )
         self.registry = TokenizerRegistry(tokenizer_rules(config))

@@ -191,7 +191,9 @@ class Session:
         if self.tenant is None or endpoint is None:
             return msg.continue_request_body()
         try:
-            admitted = await self.admission.admit(self.tenant, endpoint, self.request_id, http.body)
+            admitted = await self.admission.admit(
+                self.tenant, endpoint, self.request_id, http.body, self.client_request_id
+            )
         except ApiError as error:
             self.runtime.metrics.refusal(error.code or error.type)
             return msg.immediate(error)

@@ -30,6 +30,7 @@ from extproc.quota.base import (
     CounterState,
     QuotaBackend,
     QuotaUnavailable,
+    UsageTags,
     Verdict,
 )
 from extproc.tokens.offload import PromptCounter
@@ -132,7 +133,12 @@ class Admission:
         return tenant
 
     async def admit(
-        self, tenant: TenantSpec, endpoint: Endpoint, request_id: str, raw_body: bytes
+        self,
+        tenant: TenantSpec,
+        endpoint: Endpoint,
+        request_id: str,
+        raw_body: bytes,
+        client_request_id: str = "",
     ) -> Admitted:
         if len(raw_body) < SPLIT_PARSE_MIN_BYTES:
             request = parse_model_request(endpoint, raw_body, self.config)
@@ -180,6 +186,10 @@ class Admission:
             token_counters=policy.token_counters,
             tokens=prompt_tokens + output_reserved,
             count_refused_attempts=self.config.rpm_counts == "attempts",
+            # Kept in the reservation record for the usage ledger entry of its settlement.
+            usage=UsageTags(
+                tenant.id, tenant.plan.name, request.model.name, client_request_id, prompt_tokens
+            ),
         )
         # Refused only because other requests hold leases they may not use: ask again for
         # up to refund_wait_ms while their refunds come back, then take the final verdict.

@@ -36,7 +36,7 @@ from extproc.billing.sse import (
     SseReassembler,
     parse_json_data,
 )
-from extproc.quota.base import TOKEN_KINDS
+from extproc.quota.base import TOKEN_KINDS, SettleReason
 from extproc.tokens.incremental import IncrementalCounter
 
 if TYPE_CHECKING:
@@ -487,16 +487,20 @@ class ResponseMeter:
     # -- settlement ------------------------------------------------------------------------
 
     def used_tokens(self) -> int:
-        """What this request really cost: the figure committed at settlement.
+        """What this request really cost: the figure committed at settlement."""
+        return sum(self.billed())
+
+    def billed(self) -> tuple[int, int]:
+        """``(prompt, output)`` committed at settlement.
 
         Never the prompt alone for an answer that may hold output: what can't be read keeps
         the reservation (or ``max_tokens`` where only that bounds the output).
         """
         prompt = self.admitted.prompt_tokens
         if self.mode == "upstream_error":
-            return prompt  # no output was produced; the RPM attempt stays charged
+            return prompt, 0  # no output was produced; the RPM attempt stays charged
         if self.mode == "unreadable":
-            return prompt + max(self.leased, self.delivered)
+            return prompt, max(self.leased, self.delivered)
         if self.mode == "json":
             return self._json_used(prompt)
         if self.final_usage is not None:
@@ -508,17 +512,17 @@ class ResponseMeter:
                     upstream=self.final_usage[1],
                     counted=self.delivered,
                 )
-            return sum(answer.billed(prompt, self.delivered, self.final_usage))
-        return prompt + self.delivered
+            return answer.billed(prompt, self.delivered, self.final_usage)
+        return prompt, self.delivered
 
-    def _json_used(self, prompt: int) -> int:
+    def _json_used(self, prompt: int) -> tuple[int, int]:
         body = self._json.body() if self._json is not None and self.completed else None
         read = None if body is None else answer.read_answer(body, self.admitted.tokenizer)
         if read is None:
             # Cut short, unreadable or over the size limit: only max_tokens bounds it.
-            return prompt + self.max_output
+            return prompt, self.max_output
         counted, usage = read
-        return sum(answer.billed(prompt, counted, usage))
+        return answer.billed(prompt, counted, usage)
 
     def _disagrees(self, upstream: int) -> bool:
         return abs(upstream - self.delivered) > max(2, USAGE_TOLERANCE * upstream)
@@ -531,21 +535,45 @@ class ResponseMeter:
             await asyncio.gather(self.lease_task, return_exceptions=True)
         counters = self.admitted.policy.token_counters
         self.metrics.settled[reason] += 1
-        if not counters:
-            return
-        used = self.used_tokens()
+        if not self.admitted.policy.metered:
+            return  # nothing was admitted in the backend: no record to settle
+        # RPM-only requests are settled too (no counter changes): the ledger records them.
+        prompt, output = self.billed()
+        used = prompt + output
         self.metrics.quota_round_trips_total += 1
         try:
             # A Redis backend (wrapped by the factory in ``ResilientQuotaBackend``) keeps
             # what it cannot apply now in its queue and applies it when Redis returns, so
             # the settlement is not retried here; memory:// cannot fail.
-            await self.runtime.backend.settle(self.admitted.reservation_key, counters, used)
+            await self.runtime.backend.settle(
+                self.admitted.reservation_key,
+                counters,
+                used,
+                reason=self._ledger_reason(reason),
+                output_tokens=output,
+            )
         except Exception as exc:
             self.metrics.settle_errors_total += 1
             log.error(
                 "settle_failed", request_id=self._rid, used=used, reason=reason, error=repr(exc)
             )
 
+    def _ledger_reason(self, reason: str) -> SettleReason:
+        """The meter's (and the gRPC stream's) end reasons as the usage ledger names them."""
+        if self.mode in ("upstream_error", "unreadable") or reason == "protocol_error":
+            return "upstream_error"
+        return _LEDGER_REASONS.get(reason, "disconnect")
+
     @property
     def _rid(self) -> str:
         return self.admitted.reservation_key
+
+
+# Anything else ends the gRPC stream before the answer did (``end_of_stream``,
+# ``cancelled``, ``error``): the client went away.
+_LEDGER_REASONS: dict[str, SettleReason] = {
+    "completed": "completed",
+    "cutoff": "cutoff",
+    "idle_timeout": "timeout",
+    "shutdown": "shutdown",
+}

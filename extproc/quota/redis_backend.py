@@ -169,11 +169,6 @@ class RedisQuotaBackend:
         self._reserve = Script(load_lua("reserve.lua"))
         self._settle = Script(load_lua("settle.lua"))
         self.ledger = ledger if ledger is not None else LedgerSettings()
-        self._ledger_args = (
-            1 if self.ledger.enabled else 0,
-            self.ledger.max_len,
-            self.ledger.retention_s * 1000,
-        )
         # Server clock minus ours, learned from the TIME in every reply.
         self.clock_offset_s = 0.0
         # Calls sent again because the window keys passed were not the server's current.
@@ -244,6 +239,22 @@ class RedisQuotaBackend:
             owner_id=owner_id,
             settled_ttl_s=settled_ttl_s,
             ledger=ledger,
+        )
+
+    @property
+    def ledger(self) -> LedgerSettings:
+        return self._ledger
+
+    @ledger.setter
+    def ledger(self, settings: LedgerSettings) -> None:
+        if settings.max_len < 0 or settings.retention_s < 0:
+            raise ValueError("usage ledger max_len and retention_s must be >= 0")
+        self._ledger = settings
+        # settle.lua's ledger ARGV, built once: on, MAXLEN ~ (0: none), MINID age in ms.
+        self._ledger_args = (
+            1 if settings.enabled else 0,
+            settings.max_len,
+            settings.retention_s * 1000,
         )
 
     @property
