@@ -187,9 +187,7 @@ class Admission:
             tokens=prompt_tokens + output_reserved,
             count_refused_attempts=self.config.rpm_counts == "attempts",
             # Kept in the reservation record for the usage ledger entry of its settlement.
-            usage=UsageTags(
-                tenant.id, tenant.plan.name, request.model.name, client_request_id, prompt_tokens
-            ),
+            usage=UsageTags(tenant.plan.name, request.model.name, client_request_id, prompt_tokens),
         )
         # Refused only because other requests hold leases they may not use: ask again for
         # up to refund_wait_ms while their refunds come back, then take the final verdict.

@@ -184,9 +184,9 @@ class Verdict:
 @dataclass(frozen=True, slots=True)
 class UsageTags:
     """What the usage ledger records about a request that only admission knows; the admit
-    script stores it in the reservation record for the settlement to copy."""
+    script stores it in the reservation record for the settlement to copy. (The tenant is
+    the reservation key's own.)"""
 
-    tenant: str = ""
     plan: str = ""
     model: str = ""
     client_request_id: str = ""

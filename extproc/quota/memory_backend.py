@@ -391,7 +391,7 @@ class MemoryQuotaBackend:
                 rank = _KIND_RANK.get(kind, 9)
                 entries.append((rank, int(start), f"{kind}:{window}:{start}:{net}"))
         fields = {
-            "tenant": record.tags.tenant,
+            "tenant": decode_name(reservation_key.partition("{")[2].partition("}")[0]),
             "plan": record.tags.plan,
             "model": record.tags.model,
             "request_id": decode_name(reservation_key.rpartition(":r:")[2]),

@@ -65,7 +65,6 @@ from extproc.quota.base import (
     UsageTags,
     Verdict,
 )
-from extproc.quota.keys import open_count_key, usage_stream_key
 from extproc.quota.orphans import OpenReservations
 from extproc.quota.resp import RespConnection, Script
 
@@ -84,6 +83,15 @@ _MODE_SETTLE, _MODE_CANCEL, _MODE_ORPHAN = 0, 1, 2
 # nothing and says so; the call is retried with the server's clock at most this often.
 WINDOW_RETRIES = 2
 _NO_TAGS = UsageTags()
+
+
+def _tenant(reservation_key: str) -> str:
+    """``<prefix>:{<t>}`` of a reservation key (``keys.open_count_key`` and
+    ``keys.usage_stream_key`` without their checks: the hot path builds both per call)."""
+    tag, sep, _ = reservation_key.rpartition(":r:")
+    if not sep:
+        raise ValueError(f"not a reservation key: {reservation_key!r}")
+    return tag
 
 
 class WrongWindow(QuotaUnavailable):
@@ -165,10 +173,9 @@ class RedisQuotaBackend:
         self.settled_ttl_s = settled_ttl_s
         # Set by ``track_open_reservations``; None: nothing is tracked (no cost at all).
         self.open_reservations: OpenReservations | None = None
-        self._admit = Script(load_lua("admit.lua"))
-        self._reserve = Script(load_lua("reserve.lua"))
-        self._settle = Script(load_lua("settle.lua"))
-        self.ledger = ledger if ledger is not None else LedgerSettings()
+        self._admit = Script(self.script_source("admit.lua"))
+        self._reserve = Script(self.script_source("reserve.lua"))
+        self.ledger = ledger if ledger is not None else LedgerSettings()  # builds _settle
         # Server clock minus ours, learned from the TIME in every reply.
         self.clock_offset_s = 0.0
         # Calls sent again because the window keys passed were not the server's current.
@@ -250,12 +257,21 @@ class RedisQuotaBackend:
         if settings.max_len < 0 or settings.retention_s < 0:
             raise ValueError("usage ledger max_len and retention_s must be >= 0")
         self._ledger = settings
-        # settle.lua's ledger ARGV, built once: on, MAXLEN ~ (0: none), MINID age in ms.
-        self._ledger_args = (
-            1 if settings.enabled else 0,
-            settings.max_len,
-            settings.retention_s * 1000,
-        )
+        self._settle = Script(self.script_source("settle.lua"))
+
+    def script_source(self, name: str) -> str:
+        """A script's text with this backend's constants prepended: what every call would
+        otherwise pack as arguments (a server-side constant costs nothing per call)."""
+        constants = {"MARGIN": windows.EXPIRY_MARGIN_S}
+        if name == "settle.lua":
+            constants |= {
+                "SETTLED_TTL": self.settled_ttl_s,
+                "LEDGER": "true" if self._ledger.enabled else "false",
+                "MAX_LEN": self._ledger.max_len,
+                "RETENTION_MS": self._ledger.retention_s * 1000,
+            }
+        names, values = ", ".join(constants), ", ".join(map(str, constants.values()))
+        return f"local {names} = {values}\n" + load_lua(name)
 
     @property
     def client(self) -> aioredis.Redis:
@@ -291,37 +307,32 @@ class RedisQuotaBackend:
         self.clock_offset_s = now - time.time()
         return now
 
-    def _windows(self, counters: tuple[Counter, ...], now_s: int) -> tuple[list[str], list[int]]:
-        starts = [now_s - now_s % c.window_s for c in counters]
-        return [f"{c.key}:{start}" for c, start in zip(counters, starts, strict=True)], starts
-
     async def admit(self, request: AdmitRequest) -> Verdict:
         windows.check_admit(request)
         counters = request.request_counters + request.token_counters
         tags = request.usage or _NO_TAGS
         key = request.reservation_key
-        head: list[Any] = [
-            len(request.request_counters),
-            len(request.token_counters),
-            request.tokens,
-            1 if request.count_refused_attempts else 0,
-            request.record_ttl_s,
-            windows.EXPIRY_MARGIN_S,
-            self.owner_id,
-            1 if request.soft_refusal else 0,
-            tags.tenant,
-            tags.plan,
-            tags.model,
-            tags.client_request_id,
-            tags.prompt_tokens,
-        ]
-        now_s = self.server_now_s()
+        open_key = _tenant(key) + ":open"
+        now_s = math.floor(time.time() + self.clock_offset_s)
         for attempt in range(WINDOW_RETRIES + 1):
-            window_keys, starts = self._windows(counters, now_s)
-            args = list(head)
-            for counter, start in zip(counters, starts, strict=True):
-                args += (counter.kind, counter.limit, counter.window_s, start)
-            keys = [key, *window_keys, open_count_key(key)]
+            keys = [key]
+            args: list[Any] = [
+                len(request.request_counters),
+                len(request.token_counters),
+                request.tokens,
+                1 if request.count_refused_attempts else 0,
+                request.record_ttl_s,
+                self.owner_id,
+                1 if request.soft_refusal else 0,
+                tags.plan,
+                tags.model,
+                tags.client_request_id,
+                tags.prompt_tokens,
+            ]
+            for c in counters:
+                keys.append(f"{c.key}:{now_s - now_s % c.window_s}")
+                args += (c.kind, c.limit, c.window_s)
+            keys.append(open_key)
             reply = await self._call("admit", self._scripts.run_script(self._admit, keys, args))
             replayed, verdict, reply_s, reply_us, cancelled, retry_soon, wrong = reply
             now = self.learn_clock(reply_s, reply_us)
@@ -348,14 +359,15 @@ class RedisQuotaBackend:
         minimum: int = 1,
     ) -> Grant:
         windows.check_reserve(seq, amount, minimum, token_counters)
-        open_key = open_count_key(reservation_key)
-        now_s = self.server_now_s()
+        open_key = _tenant(reservation_key) + ":open"
+        now_s = math.floor(time.time() + self.clock_offset_s)
         for attempt in range(WINDOW_RETRIES + 1):
-            window_keys, starts = self._windows(token_counters, now_s)
-            args: list[Any] = [seq, amount, minimum, windows.EXPIRY_MARGIN_S]
-            for counter, start in zip(token_counters, starts, strict=True):
-                args += (counter.limit, counter.window_s, start)
-            keys = [reservation_key, *window_keys, open_key]
+            keys = [reservation_key]
+            args: list[Any] = [seq, amount, minimum]
+            for c in token_counters:
+                keys.append(f"{c.key}:{now_s - now_s % c.window_s}")
+                args += (c.limit, c.window_s)
+            keys.append(open_key)
             reply = await self._call("reserve", self._scripts.run_script(self._reserve, keys, args))
             status, granted, reply_s, reply_us = reply[:4]
             now = self.learn_clock(reply_s, reply_us)
@@ -391,12 +403,48 @@ class RedisQuotaBackend:
     ) -> Settlement:
         windows.check_settle(used, token_counters)
         windows.check_reason(reason, output_tokens, used)
-        already, summary = await self._run_settle(
-            "settle", reservation_key, token_counters, used, _MODE_SETTLE, RECORD_TTL_S,
-            reason, output_tokens,
-        )  # fmt: skip
+        # _run_settle inlined: the hot path's one round trip without another coroutine.
+        head = [used, _MODE_SETTLE, RECORD_TTL_S, self.owner_id, reason,
+                -1 if output_tokens is None else output_tokens]  # fmt: skip
+        now_s = math.floor(time.time() + self.clock_offset_s)
+        keys, args = self._settle_request(reservation_key, token_counters, head, now_s)
+        reply = await self._call("settle", self._scripts.run_script(self._settle, keys, args))
+        if reply[0] == 4:
+            reply = await self._settle_retry("settle", reservation_key, token_counters, head, reply)
         self._closed(reservation_key)
-        return _settlement(already, summary)
+        return _settlement(reply[0], reply[1])
+
+    def _settle_request(
+        self, reservation_key: str, token_counters: tuple[Counter, ...], head: list[Any], now_s: int
+    ) -> tuple[list[str], list[Any]]:
+        """settle.lua's KEYS and ARGV for the windows current at ``now_s``."""
+        tenant = _tenant(reservation_key)
+        keys = [reservation_key]
+        args = head.copy()
+        for c in token_counters:
+            keys.append(f"{c.key}:{now_s - now_s % c.window_s}")
+            args.append(c.window_s)
+        keys += (tenant + ":open", tenant + ":usage")
+        return keys, args
+
+    async def _settle_retry(
+        self,
+        operation: str,
+        reservation_key: str,
+        token_counters: tuple[Counter, ...],
+        head: list[Any],
+        reply: Any,
+    ) -> Any:
+        """Send settle.lua again after a "wrong window" reply, with the server's time."""
+        for _ in range(WINDOW_RETRIES):
+            self.window_retries += 1
+            self.learn_clock(reply[2], reply[3])
+            keys, args = self._settle_request(reservation_key, token_counters, head, int(reply[2]))
+            reply = await self._call(operation, self._scripts.run_script(self._settle, keys, args))
+            if reply[0] != 4:
+                return reply
+        now = self.learn_clock(reply[2], reply[3])
+        raise WrongWindow(f"quota {operation}: window keys kept missing the server's {now}")
 
     async def _run_settle(
         self,
@@ -407,37 +455,17 @@ class RedisQuotaBackend:
         mode: int,
         tombstone_ttl_s: int,
         reason: str,
-        output_tokens: int | None,
         owner_id: str | None = None,
     ) -> tuple[Any, str]:
-        head: list[Any] = [
-            used,
-            windows.EXPIRY_MARGIN_S,
-            mode,
-            tombstone_ttl_s,
-            self.settled_ttl_s,
-            owner_id or self.owner_id,
-            reason,
-            -1 if output_tokens is None else output_tokens,
-            *self._ledger_args,
-        ]
-        tail = [open_count_key(reservation_key), usage_stream_key(reservation_key)]
-        now_s = self.server_now_s()
-        for attempt in range(WINDOW_RETRIES + 1):
-            window_keys, starts = self._windows(token_counters, now_s)
-            args = list(head)
-            for counter, start in zip(token_counters, starts, strict=True):
-                args += (counter.window_s, start)
-            keys = [reservation_key, *window_keys, *tail]
-            reply = await self._call(operation, self._scripts.run_script(self._settle, keys, args))
-            if int(reply[0]) != 4:
-                return reply[0], reply[1]
-            self.window_retries += 1
-            now = self.learn_clock(reply[2], reply[3])
-            now_s = int(reply[2])
-            if attempt == WINDOW_RETRIES:
-                raise WrongWindow(f"quota {operation}: window keys kept missing the server's {now}")
-        raise AssertionError("unreachable")
+        head = [used, mode, tombstone_ttl_s, owner_id or self.owner_id, reason, -1]
+        now_s = math.floor(time.time() + self.clock_offset_s)
+        keys, args = self._settle_request(reservation_key, token_counters, head, now_s)
+        reply = await self._call(operation, self._scripts.run_script(self._settle, keys, args))
+        if reply[0] == 4:
+            reply = await self._settle_retry(
+                operation, reservation_key, token_counters, head, reply
+            )
+        return reply[0], reply[1]
 
     def _closed(self, reservation_key: str) -> None:
         if self.open_reservations is not None:
@@ -451,9 +479,8 @@ class RedisQuotaBackend:
     ) -> Settlement:
         windows.check_cancel(tombstone_ttl_s, token_counters)
         already, summary = await self._run_settle(
-            "cancel", reservation_key, token_counters, 0, _MODE_CANCEL, tombstone_ttl_s,
-            "cancelled", None,
-        )  # fmt: skip
+            "cancel", reservation_key, token_counters, 0, _MODE_CANCEL, tombstone_ttl_s, "cancelled"
+        )
         self._closed(reservation_key)
         return _settlement(already, summary)
 
@@ -471,9 +498,15 @@ class RedisQuotaBackend:
         if not owner_id:
             raise ValueError("owner_id must be non-empty")
         code, summary = await self._run_settle(
-            "settle_orphan", reservation_key, (), 0, _MODE_ORPHAN, RECORD_TTL_S,
-            "orphaned", None, owner_id,
-        )  # fmt: skip
+            "settle_orphan",
+            reservation_key,
+            (),
+            0,
+            _MODE_ORPHAN,
+            RECORD_TTL_S,
+            "orphaned",
+            owner_id,
+        )
         status = _ORPHAN_STATUS[int(code)]
         if status in ("settled", "already_settled"):
             return status, _settlement(status == "already_settled", summary)

@@ -14,7 +14,7 @@ from tests.quota.conftest import Harness
 from tests.quota.test_conformance import DAY, HOUR, counter
 
 _ids = itertools.count()
-TAGS = UsageTags("acme", "pro", "gpt-4.1", "client-7", 60)
+TAGS = UsageTags("pro", "gpt-4.1", "client-7", 60)
 
 
 def request(

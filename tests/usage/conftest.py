@@ -53,7 +53,7 @@ async def _fill(url: str, count: int, seed: int) -> None:
             prompt = rng.randrange(1, 500)
             await backend.admit(
                 AdmitRequest(
-                    key, (), (tpm,), prompt + 32, usage=UsageTags(tenant, "pro", model, "c", prompt)
+                    key, (), (tpm,), prompt + 32, usage=UsageTags("pro", model, "c", prompt)
                 )
             )
             output = rng.randrange(0, 100)

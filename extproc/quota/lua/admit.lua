@@ -4,9 +4,10 @@
 -- KEYS[2..n+1] the current window of each counter (prefix:window_start): request counters
 --              first, then token counters
 -- KEYS[n+2]    the tenant's count of admitted, unsettled requests (incremented on admission)
--- ARGV         n_request, n_token, tokens, count_refused (1|0), record_ttl_s, margin_s,
---              owner, soft (1|0), tenant, plan, model, client_request_id, prompt_tokens,
---              then kind, limit, window_s, window_start for each counter
+-- ARGV         n_request, n_token, tokens, count_refused (1|0), record_ttl_s, owner,
+--              soft (1|0), plan, model, client_request_id, prompt_tokens, then kind, limit,
+--              window_s for each counter (its window start is the key's last part)
+-- Constants    MARGIN (s a window key outlives its window), prepended by the backend
 -- Reply        {replayed (0|1), verdict, now_s, now_us, cancelled (0|1), retry_soon (0|1),
 --              wrong_window (0|1)}
 --              verdict = "admitted,refused_by{,kind,limit,window_s,value,window_start}"
@@ -14,7 +15,8 @@
 -- Every key touched is in KEYS. The caller computes each window start from its estimate of
 -- this server's clock; windows still come from this server's TIME: when a passed start is
 -- not the current one, nothing is charged and the reply says wrong_window=1 with TIME, and
--- the caller retries with the right keys.
+-- the caller retries with the right keys. (The starts are read from the keys, not sent
+-- twice: fewer arguments to pack per call.)
 --
 -- A record marked cancelled ('c', written by settle.lua in cancel mode) makes the admission
 -- charge nothing at all: replayed=1 with the first verdict when the admission had run
@@ -23,7 +25,8 @@
 -- An admitted record stores its owner ('o': the id of the processor that admitted it), so
 -- a peer reconciling the open reservations of a processor that died settles only that
 -- processor's records (settle.lua, orphan mode), and what the usage ledger needs from the
--- admission (tenant, plan, model, client request id, prompt tokens, TIME in µs).
+-- admission (plan, model, client request id, prompt tokens, TIME in µs; the tenant is the
+-- key's hash tag).
 --
 -- Soft mode: refused by a token counter that the request could fit in (tokens <= limit)
 -- while other requests of the tenant are open (KEYS[n+2] > 0), the admission charges and
@@ -49,17 +52,15 @@ local n = n_req + n_tok
 local tokens = tonumber(ARGV[3])
 local count_refused = ARGV[4] == '1'
 local record_ttl = tonumber(ARGV[5])
-local margin = tonumber(ARGV[6])
-local owner = ARGV[7]
-local soft = ARGV[8] == '1'
+local owner = ARGV[6]
+local soft = ARGV[7] == '1'
 local open_key = KEYS[n + 2]
 
 local starts, values, windows = {}, {}, {}
 for i = 1, n do
-  local base = 13 + (i - 1) * 4
-  local window = tonumber(ARGV[base + 3])
+  local window = tonumber(ARGV[11 + i * 3])
   local start = now_s - (now_s % window)
-  if tonumber(ARGV[base + 4]) ~= start then
+  if tonumber(string.match(KEYS[i + 1], '(%d+)$')) ~= start then
     return {0, '', t[1], t[2], 0, 0, 1}
   end
   windows[i] = window
@@ -69,7 +70,7 @@ end
 local refused_by = ''
 local refused_fits = false
 for i = 1, n do
-  local base = 13 + (i - 1) * 4
+  local base = 8 + i * 3
   values[i] = tonumber(redis.call('GET', KEYS[i + 1]) or '0')
   local cost = tokens
   if i <= n_req then cost = 1 end
@@ -87,7 +88,7 @@ local function charge(i, amount)
   local v = redis.call('INCRBY', KEYS[i + 1], amount)
   if v == amount then
     -- New key (or one refunded to zero): expire shortly after its window ends.
-    redis.call('PEXPIREAT', KEYS[i + 1], (starts[i] + windows[i] + margin) * 1000)
+    redis.call('PEXPIREAT', KEYS[i + 1], (starts[i] + windows[i] + MARGIN) * 1000)
   end
   values[i] = v
 end
@@ -108,8 +109,8 @@ if admitted then
       record[#record + 1] = tokens
     end
   end
-  local more = {'res', reserved, 'tn', ARGV[9], 'pl', ARGV[10], 'md', ARGV[11],
-    'cr', ARGV[12], 'pt', ARGV[13], 'at', t[1] .. string.format('%06d', tonumber(t[2]))}
+  local more = {'res', reserved, 'pl', ARGV[8], 'md', ARGV[9], 'cr', ARGV[10],
+    'pt', ARGV[11], 'at', t[1] .. string.format('%06d', tonumber(t[2]))}
   for _, x in ipairs(more) do record[#record + 1] = x end
   if owner ~= '' then
     record[#record + 1] = 'o'
@@ -119,7 +120,7 @@ if admitted then
   redis.call('EXPIRE', open_key, record_ttl)
 end
 for i = 1, n do
-  local base = 13 + (i - 1) * 4
+  local base = 8 + i * 3
   parts[#parts + 1] = ARGV[base + 1]
   parts[#parts + 1] = ARGV[base + 2]
   parts[#parts + 1] = ARGV[base + 3]

@@ -3,8 +3,9 @@
 -- KEYS[1]      reservation record (hash)
 -- KEYS[2..n+1] the current window of each token counter (prefix:window_start)
 -- KEYS[n+2]    the tenant's count of admitted, unsettled requests
--- ARGV         seq, amount, minimum, margin_s, then limit, window_s, window_start for each
---              counter
+-- ARGV         seq, amount, minimum, then limit, window_s for each counter (its window
+--              start is the key's last part)
+-- Constants    MARGIN, prepended by the backend
 -- Reply        {status, granted, now_s, now_us, value_1, window_start_1, ..., others_open}
 --              status: granted | refused | replayed | not_admitted | settled | wrong_window
 --              others_open: the tenant's other open requests (their unused leases come
@@ -32,14 +33,13 @@ end
 local seq_field = 'q' .. ARGV[1]
 local amount = tonumber(ARGV[2])
 local minimum = tonumber(ARGV[3])
-local margin = tonumber(ARGV[4])
 local n = #KEYS - 2
 
 local starts, values, windows = {}, {}, {}
 for i = 1, n do
-  local window = tonumber(ARGV[3 + 3 * i])
+  local window = tonumber(ARGV[3 + 2 * i])
   local start = now_s - (now_s % window)
-  if tonumber(ARGV[4 + 3 * i]) ~= start then
+  if tonumber(string.match(KEYS[i + 1], '(%d+)$')) ~= start then
     return {'wrong_window', 0, t[1], t[2]}
   end
   windows[i] = window
@@ -47,7 +47,7 @@ for i = 1, n do
 end
 local granted = amount
 for i = 1, n do
-  local limit = tonumber(ARGV[2 + 3 * i])
+  local limit = tonumber(ARGV[2 + 2 * i])
   values[i] = tonumber(redis.call('GET', KEYS[i + 1]) or '0')
   if limit - values[i] < granted then granted = limit - values[i] end
 end
@@ -78,7 +78,7 @@ for i = 1, n do
   local key = KEYS[i + 1]
   local v = redis.call('INCRBY', key, granted)
   if v == granted then
-    redis.call('PEXPIREAT', key, (starts[i] + windows[i] + margin) * 1000)
+    redis.call('PEXPIREAT', key, (starts[i] + windows[i] + MARGIN) * 1000)
   end
   values[i] = v
   redis.call('HINCRBY', rkey, 'k' .. key, granted)

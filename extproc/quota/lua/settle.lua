@@ -5,10 +5,12 @@
 -- KEYS[2..n+1] the current window (prefix:window_start) of each token counter charged
 -- KEYS[n+2]    the tenant's count of admitted, unsettled requests (decremented here)
 -- KEYS[n+3]    the tenant's usage ledger (a Stream)
--- ARGV         used, margin_s, mode (0 settle | 1 cancel | 2 orphan), tombstone_ttl_s,
---              settled_ttl_s, owner, reason, output_tokens (-1: not given), ledger (1|0),
---              max_len (0: none), retention_ms (0: none), then window_s, window_start for
---              each counter
+-- ARGV         used, mode (0 settle | 1 cancel | 2 orphan), tombstone_ttl_s, owner,
+--              reason, output_tokens (-1: not given), then window_s for each counter (its
+--              window start is the key's last part)
+-- Constants    MARGIN, SETTLED_TTL (s), LEDGER (true|false), MAX_LEN (0: none),
+--              RETENTION_MS (0: none): the backend's settings, prepended by it (fewer
+--              arguments to pack per call)
 -- Reply        {status, summary[, now_s, now_us]}: status 0 settled now, 1 already settled
 --              (first summary), 2 no admitted record (orphan mode only), 3 another owner's
 --              (orphan mode only), 4 wrong window (nothing done; TIME follows)
@@ -40,13 +42,11 @@ local rkey = KEYS[1]
 local t = redis.call('TIME')
 local now_s = tonumber(t[1])
 local used = tonumber(ARGV[1])
-local margin = tonumber(ARGV[2])
-local mode = ARGV[3]
+local mode = ARGV[2]
 local cancel = mode == '1'
 local orphan = mode == '2'
-local tombstone_ttl = tonumber(ARGV[4])
-local settled_ttl = tonumber(ARGV[5])
-local owner = ARGV[6]
+local tombstone_ttl = tonumber(ARGV[3])
+local owner = ARGV[4]
 local n = #KEYS - 3
 local open_key = KEYS[n + 2]
 
@@ -82,9 +82,9 @@ end
 
 local starts = {}
 for i = 1, n do
-  local window = tonumber(ARGV[10 + 2 * i])
+  local window = tonumber(ARGV[6 + i])
   local start = now_s - (now_s % window)
-  if tonumber(ARGV[11 + 2 * i]) ~= start then
+  if tonumber(string.match(KEYS[i + 1], '(%d+)$')) ~= start then
     return {4, '', t[1], t[2]}
   end
   starts[i] = start
@@ -125,7 +125,7 @@ for i = 1, n do
     local over = used - reserved
     local v = redis.call('INCRBY', key, over)
     if v == over then
-      redis.call('PEXPIREAT', key, (starts[i] + tonumber(ARGV[10 + 2 * i]) + margin) * 1000)
+      redis.call('PEXPIREAT', key, (starts[i] + tonumber(ARGV[6 + i]) + MARGIN) * 1000)
     end
     net[current_field] = (net[current_field] or tonumber(rec[current_field] or '0')) + over
     rec[current_field] = rec[current_field] or '0'
@@ -146,12 +146,12 @@ else
 end
 if not cancel then
   local ttl = redis.call('TTL', rkey)
-  if ttl < 0 or ttl > settled_ttl then
-    redis.call('EXPIRE', rkey, settled_ttl)
+  if ttl < 0 or ttl > SETTLED_TTL then
+    redis.call('EXPIRE', rkey, SETTLED_TTL)
   end
 end
 
-if ARGV[9] == '1' then
+if LEDGER then
   local rank = {tpm = 1, tenant_tpm = 2, daily = 3}
   local entries = {}
   for field, amount in pairs(rec) do
@@ -168,36 +168,37 @@ if ARGV[9] == '1' then
   local windows = {}
   for i, e in ipairs(entries) do windows[i] = e[3] end
   local prompt = tonumber(rec['pt'] or '0')
-  local output = tonumber(ARGV[8])
+  local output = tonumber(ARGV[6])
   if output >= 0 then
     prompt = math.max(0, used - output)
   else
     output = math.max(0, used - prompt)
   end
-  local reason = ARGV[7]
+  local reason = ARGV[5]
   if cancel then reason = 'cancelled' elseif orphan then reason = 'orphaned' end
-  local rid = string.gsub(string.match(rkey, ':r:(.*)$') or '', '%%(%x%x)',
-    function(h) return string.char(tonumber(h, 16)) end)
+  local function decode(s)
+    return (string.gsub(s or '', '%%(%x%x)', function(h) return string.char(tonumber(h, 16)) end))
+  end
+  local rid = decode(string.match(rkey, ':r:(.*)$'))
+  local tenant = decode(string.match(rkey, '{([^}]*)}'))
   local stream = KEYS[n + 3]
   local add = {'XADD', stream}
-  local max_len = tonumber(ARGV[10])
-  if max_len > 0 then
+  if MAX_LEN > 0 then
     add[#add + 1] = 'MAXLEN'
     add[#add + 1] = '~'
-    add[#add + 1] = max_len
+    add[#add + 1] = MAX_LEN
   end
   local fields = {'*',
-    'tenant', rec['tn'] or '', 'plan', rec['pl'] or '', 'model', rec['md'] or '',
+    'tenant', tenant, 'plan', rec['pl'] or '', 'model', rec['md'] or '',
     'request_id', rid, 'client_request_id', rec['cr'] or '',
     'prompt_tokens', prompt, 'output_tokens', output, 'reserved', reserved, 'used', used,
     'refunded', parts[3] or '0', 'windows', table.concat(windows, ';'), 'reason', reason,
     'admitted_at_us', rec['at'] or '', 'settled_at_us', t[1] .. string.format('%06d', tonumber(t[2]))}
   for _, x in ipairs(fields) do add[#add + 1] = x end
   redis.call(unpack(add))
-  local retention_ms = tonumber(ARGV[11])
-  if retention_ms > 0 then
+  if RETENTION_MS > 0 then
     local now_ms = now_s * 1000 + math.floor(tonumber(t[2]) / 1000)
-    redis.call('XTRIM', stream, 'MINID', '~', string.format('%d', now_ms - retention_ms))
+    redis.call('XTRIM', stream, 'MINID', '~', string.format('%d', now_ms - RETENTION_MS))
   end
 end
 return {0, summary}
