@@ -32,6 +32,11 @@ seen the admission (its call failed with an unknown outcome): that key is cancel
 instead, whose record keeps the attempt if the admission ran. RPM of refused local attempts
 is not reconciled.
 
+**Ledger.** An absorb that carries a settlement's local part appends that part's usage
+ledger entry in the same script (reserved = used, nothing refunded; ``windows`` names the
+current windows it was charged to): a stream Redis admitted that leased locally during a
+pause has two entries with the same ``request_id``. A local RPM-only admission has none.
+
 **Queue.** Settlements, cancels and absorbs Redis cannot take now wait in a bounded FIFO
 (one entry per kind and key; all three are idempotent on their key). One worker applies
 them whenever the breaker is closed, so they go in as soon as Redis returns, with or
@@ -65,9 +70,10 @@ from extproc.quota.base import (
     QuotaUnavailable,
     Settlement,
     SettleReason,
+    UsageTags,
     Verdict,
 )
-from extproc.quota.keys import window_key
+from extproc.quota.keys import usage_stream_key, window_key
 from extproc.quota.memory_backend import MemoryQuotaBackend
 from extproc.quota.redis_backend import (
     WINDOW_RETRIES,
@@ -133,6 +139,7 @@ class _Tracked:
     # Request counters to absorb: a local admission whose call never reached Redis.
     request_counters: tuple[Counter, ...] = ()
     admitted_at: float = 0.0
+    usage: UsageTags | None = None  # for the ledger entry of what is absorbed
     charges: list[tuple[float, int]] = field(default_factory=list)  # local (time, tokens)
 
 
@@ -148,6 +155,9 @@ class _Op:
     output_tokens: int | None = None  # settle
     ttl_s: int = RECORD_TTL_S  # cancel: tombstone lifetime
     entries: tuple[tuple[str, int, int, int], ...] = ()  # absorb: (prefix, window, start, n)
+    # absorb: the ledger entry's own fields (plan, model, client id, reason, prompt, output,
+    # admitted_at_us); None: no entry (nothing of a settlement was served locally).
+    ledger: tuple[str, str, str, str, int, int, str] | None = None
     tokens: int = 0  # absorb: tokens served locally
     attempts: int = 0
 
@@ -266,7 +276,8 @@ class ResilientQuotaBackend:
             return await self._admit_locally(request, sent=True)
         if verdict.admitted and request.token_counters and request.fail_open:
             self._tracked.setdefault(
-                key, _Tracked(created=self._clock(), redis_reserved=request.tokens)
+                key,
+                _Tracked(created=self._clock(), redis_reserved=request.tokens, usage=request.usage),
             )
         return verdict
 
@@ -301,6 +312,7 @@ class ResilientQuotaBackend:
             local_record=True,
             request_counters=() if sent else request.request_counters,
             admitted_at=now,
+            usage=request.usage,
             charges=[(now, request.tokens)] if request.tokens else [],
         )
         self.metrics.fail_open_admissions_total += 1
@@ -396,7 +408,12 @@ class ResilientQuotaBackend:
         local = await self.local.settle(
             reservation_key, _local(token_counters), used_local, reason=reason
         )
-        self._absorb(reservation_key, tracked, token_counters, used_local)
+        # The ledger's split: the prompt came first, so Redis's part holds it first.
+        remote_output = local_output = None
+        if output_tokens is not None:
+            remote_output = used_remote - min(used - output_tokens, used_remote)
+            local_output = output_tokens - remote_output
+        self._absorb(reservation_key, tracked, token_counters, used_local, reason, local_output)
         if tracked.local:
             return Settlement(
                 reserved=local.reserved,
@@ -405,9 +422,7 @@ class ResilientQuotaBackend:
                 refunded_per_counter=local.refunded_per_counter,
                 queued=True,
             )
-        # Redis's ledger entry holds its part; the output split goes with it as far as it
-        # fits (the absorbed rest has no entry: see the module docstring).
-        remote_output = None if output_tokens is None else min(output_tokens, used_remote)
+        # Two ledger entries for this request: Redis's part here, the absorbed one on its own.
         remote = await self._settle_remote(
             reservation_key, token_counters, used_remote, reason, remote_output
         )
@@ -477,7 +492,13 @@ class ResilientQuotaBackend:
     # -- reconciliation --------------------------------------------------------------------
 
     def _absorb(
-        self, key: str, tracked: _Tracked, token_counters: tuple[Counter, ...], used: int
+        self,
+        key: str,
+        tracked: _Tracked,
+        token_counters: tuple[Counter, ...],
+        used: int,
+        reason: SettleReason = "completed",
+        output_tokens: int | None = None,
     ) -> None:
         """Queue the charge of what a reservation used locally, window by window."""
         now = self._clock()
@@ -502,19 +523,36 @@ class ResilientQuotaBackend:
                 add(counter, now, left)
         if entries:
             flat = tuple((p, w, s, n) for (p, w, s), n in entries.items())
-            self._enqueue(_Op("absorb", absorb_key(key), entries=flat, tokens=used))
+            op = _Op("absorb", absorb_key(key), entries=flat, tokens=used)
+            if token_counters:  # a settlement's local part: the ledger gets its entry
+                tags = tracked.usage or UsageTags()
+                output = (
+                    output_tokens
+                    if output_tokens is not None
+                    else max(0, used - tags.prompt_tokens)
+                )
+                output = min(output, used)
+                admitted_us = str(round(tracked.admitted_at * 1_000_000)) if tracked.local else ""
+                op.ledger = (tags.plan, tags.model, tags.client_request_id, reason,
+                             used - output, output, admitted_us)  # fmt: skip
+            self._enqueue(op)
 
     async def _absorb_call(self, op: _Op) -> Any:
         """Every entry is charged to its counter's current window on the server (the only
         live one), whose key is passed; a wrong guess of the server's clock is retried."""
         now_s = self.primary.server_now_s()
+        ledger = self.primary.ledger
+        on = op.ledger is not None and ledger.enabled
+        fields = op.ledger or ("", "", "", "completed", 0, 0, "")
         for _ in range(WINDOW_RETRIES + 1):
             keys = [op.key]
-            args: list[Any] = [RECORD_TTL_S, windows.EXPIRY_MARGIN_S]
+            args: list[Any] = [RECORD_TTL_S, windows.EXPIRY_MARGIN_S, 1 if on else 0,
+                               ledger.max_len, ledger.retention_s * 1000, *fields]  # fmt: skip
             for prefix, window_s, start, amount in op.entries:
                 current = windows.window_start(now_s, window_s)
                 keys.append(window_key(prefix, current))
                 args += (window_s, current, start, amount)
+            keys.append(usage_stream_key(op.key))
             reply = await self.primary._call("absorb", self._absorb_script(keys=keys, args=args))
             if int(reply[0]) != 2:
                 return reply
