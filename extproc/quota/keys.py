@@ -123,10 +123,6 @@ def usage_stream_key(reservation_key: str) -> str:
     return f"{_tenant_part(reservation_key)}:usage"
 
 
-def tenant_usage_stream(tenant: str, prefix: str = DEFAULT_PREFIX) -> str:
-    return f"{tenant_tag(tenant, prefix)}:usage"
-
-
 def window_key(counter_prefix: str, window_start: int) -> str:
     """The concrete key of one window of a counter (what both backends store)."""
     return f"{counter_prefix}:{window_start}"
