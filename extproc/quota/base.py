@@ -65,8 +65,8 @@ a replay, a refused or unknown record writes nothing. ``windows`` lists, per tok
 the request was charged on, ``kind:window_s:window_start:net`` (``;``-separated), ``net``
 being what that window keeps of the request after the refund and any excess: summed over
 the ledger, a window's ``net`` equals the counter's value (RPM counters are not in it).
-``prompt_tokens`` + ``output_tokens`` = ``used`` when the caller gives ``output_tokens``;
-without it ``prompt_tokens`` is admission's count and ``output_tokens`` the rest.
+``prompt_tokens`` + ``output_tokens`` = ``used``: the caller's ``output_tokens``, or without
+it (cancel, orphan) admission's prompt count first and the rest as output.
 
 Record lifetimes: an open (admitted, unsettled) record lives ``record_ttl_s`` (an hour); once
 ``settle`` has run it lives at most ``SETTLED_TTL_S`` (backends take ``settled_ttl_s``), which

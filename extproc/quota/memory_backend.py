@@ -378,11 +378,9 @@ class MemoryQuotaBackend:
         settlement = record.settlement
         assert settlement is not None
         used = settlement.used
-        prompt = record.tags.prompt_tokens
-        if output_tokens is not None:
-            prompt = max(0, used - output_tokens)
-        else:
-            output_tokens = max(0, used - prompt)
+        if output_tokens is None:  # admission's prompt count first (settle.lua)
+            output_tokens = used - min(record.tags.prompt_tokens, used)
+        prompt = used - output_tokens
         entries = []
         for key, net in record.net.items():
             match = _WINDOW_KEY.search(key)

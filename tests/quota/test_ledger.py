@@ -156,6 +156,7 @@ async def test_a_cancelled_admission_that_had_run_is_recorded_as_cancelled(
     await harness.backend.cancel(req.reservation_key, (tpm,))
     [fields] = await entries(harness, req)
     assert (fields["reason"], fields["used"], fields["refunded"]) == ("cancelled", "0", "100")
+    assert (fields["prompt_tokens"], fields["output_tokens"]) == ("0", "0")  # nothing billed
     assert fields["windows"].endswith(":0")
     await assert_ledger_matches_counters(harness, (tpm,), [fields])
 

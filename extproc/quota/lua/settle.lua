@@ -167,13 +167,12 @@ if LEDGER then
   end)
   local windows = {}
   for i, e in ipairs(entries) do windows[i] = e[3] end
-  local prompt = tonumber(rec['pt'] or '0')
+  -- prompt + output = used: the caller's split, else admission's prompt count first.
   local output = tonumber(ARGV[6])
-  if output >= 0 then
-    prompt = math.max(0, used - output)
-  else
-    output = math.max(0, used - prompt)
+  if output < 0 then
+    output = used - math.min(tonumber(rec['pt'] or '0'), used)
   end
+  local prompt = used - output
   local reason = ARGV[5]
   if cancel then reason = 'cancelled' elseif orphan then reason = 'orphaned' end
   local function decode(s)
