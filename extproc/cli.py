@@ -1,4 +1,4 @@
-"""``extproc serve`` and ``extproc check-config``."""
+"""``extproc serve``, ``extproc check-config`` and ``extproc usage export|summary``."""
 
 from __future__ import annotations
 
@@ -65,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     check = sub.add_parser("check-config", help="validate a config, print its normal form and hash")
     check.add_argument("config")
+    _usage_parser(sub)
     args = parser.parse_args(argv)
+
+    if args.command == "usage":
+        return _usage(args)
 
     if args.command == "check-config":
         try:
@@ -127,6 +131,81 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"extproc: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _usage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    usage = sub.add_parser("usage", help="the usage ledger: export it, summarise it")
+    which = usage.add_subparsers(dest="usage_command", required=True)
+    export = which.add_parser(
+        "export",
+        help="append every ledger entry to a file (JSON lines or CSV) through a consumer "
+        "group: at least once, and exactly once in the file when restarted after a kill",
+    )
+    summary = which.add_parser("summary", help="totals per tenant and model over a time range")
+    for p in (export, summary):
+        p.add_argument("--redis-url", required=True)
+        p.add_argument("--prefix", default="tq", help="the processors' key_prefix")
+    export.add_argument("--group", required=True, help="consumer group (one per destination)")
+    export.add_argument("--consumer", required=True, help="this exporter's name in the group")
+    export.add_argument("--format", choices=("jsonl", "csv"), default="jsonl")
+    export.add_argument("--output", required=True, help="file to append to")
+    export.add_argument("--since", help="ISO 8601; entries settled before it are skipped")
+    export.add_argument("--until", help="ISO 8601; entries settled from it on are left pending")
+    export.add_argument(
+        "--batch", type=int, default=200, help="entries per read, write + fsync, and XACK"
+    )
+    summary.add_argument("--since", required=True, help="ISO 8601 (no zone: UTC)")
+    summary.add_argument("--until", required=True, help="ISO 8601, exclusive")
+    summary.add_argument("--by", default="tenant,model", help="tenant, plan, model, reason")
+    summary.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def _usage(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+    from pathlib import Path
+
+    import redis
+
+    from extproc.usage.export import export
+    from extproc.usage.ledger import UsageError, connect, time_range
+    from extproc.usage.summary import as_rows, parse_by, summarise, table
+
+    try:
+        since_ms, until_ms = time_range(args.since, args.until)
+        by = parse_by(args.by) if args.usage_command == "summary" else ()
+        ledger = connect(args.redis_url, args.prefix)
+        try:
+            if args.usage_command == "export":
+                stats = export(
+                    ledger,
+                    group=args.group,
+                    consumer=args.consumer,
+                    fmt=args.format,
+                    output=Path(args.output),
+                    since_ms=since_ms,
+                    until_ms=until_ms,
+                    batch=args.batch,
+                )
+                # What this run did, on stderr: the output file holds only records.
+                print(orjson.dumps(asdict(stats)).decode(), file=sys.stderr)
+                return 0
+            rows = as_rows(summarise(ledger, since_ms, until_ms, by), by)
+        finally:
+            ledger.close()
+    except UsageError as exc:
+        print(f"extproc usage: {exc}", file=sys.stderr)
+        return 2
+    except redis.RedisError as exc:
+        print(f"extproc usage: Redis failed: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"extproc usage: {exc}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        sys.stdout.write(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        sys.stdout.write(table(rows, by))
     return 0
 
 

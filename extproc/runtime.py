@@ -73,6 +73,7 @@ class Runtime:
                     queue_max=config.settle_queue_max,
                 ),
                 metrics=self.metrics,
+                ledger=config.usage_ledger,
             )
         )
         self.tracer: Tracer | None = tracer_from_env()

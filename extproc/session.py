@@ -201,7 +201,9 @@ class Session:
             return msg.continue_request_body()
         span = None if self.trace is None else self.trace.child("extproc.admission")
         try:
-            admitted = await self.admission.admit(self.tenant, endpoint, self.request_id, http.body)
+            admitted = await self.admission.admit(
+                self.tenant, endpoint, self.request_id, http.body, self.client_request_id
+            )
         except ApiError as error:
             self._rejected(error)
             if span is not None:

@@ -30,6 +30,7 @@ from extproc.quota.base import (
     CounterState,
     QuotaBackend,
     QuotaUnavailable,
+    UsageTags,
     Verdict,
 )
 from extproc.tokens.offload import PromptCounter
@@ -137,7 +138,12 @@ class Admission:
         return tenant
 
     async def admit(
-        self, tenant: TenantSpec, endpoint: Endpoint, request_id: str, raw_body: bytes
+        self,
+        tenant: TenantSpec,
+        endpoint: Endpoint,
+        request_id: str,
+        raw_body: bytes,
+        client_request_id: str = "",
     ) -> Admitted:
         loop = asyncio.get_running_loop()
         started = loop.time()  # the histogram covers parsing too, but not invalid bodies
@@ -152,7 +158,9 @@ class Admission:
             raise model_not_found(request.requested_model)
         labels = (request.model.name, tenant.plan.name)
         try:
-            return await self._admit(tenant, request, policy, request_id, raw_body, labels)
+            return await self._admit(
+                tenant, request, policy, request_id, raw_body, labels, client_request_id
+            )
         finally:
             self.metrics.observe("admission", labels, loop.time() - started)
 
@@ -164,6 +172,7 @@ class Admission:
         request_id: str,
         raw_body: bytes,
         labels: tuple[str, str],
+        client_request_id: str,
     ) -> Admitted:
         tokenizer = self.registry.counter_for(request.model.name)
         loop = asyncio.get_running_loop()
@@ -205,6 +214,8 @@ class Admission:
             token_counters=policy.token_counters,
             tokens=prompt_tokens + output_reserved,
             count_refused_attempts=self.config.rpm_counts == "attempts",
+            # Kept in the reservation record for the usage ledger entry of its settlement.
+            usage=UsageTags(tenant.plan.name, request.model.name, client_request_id, prompt_tokens),
         )
         # Refused only because other requests hold leases they may not use: ask again for
         # up to refund_wait_ms while their refunds come back, then take the final verdict.

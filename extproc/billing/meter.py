@@ -36,7 +36,7 @@ from extproc.billing.sse import (
     SseReassembler,
     parse_json_data,
 )
-from extproc.quota.base import TOKEN_KINDS
+from extproc.quota.base import TOKEN_KINDS, SettleReason
 from extproc.tokens.incremental import IncrementalCounter
 from extproc.tracing import ExchangeSpan, fail
 
@@ -519,8 +519,12 @@ class ResponseMeter:
 
     # -- settlement ------------------------------------------------------------------------
 
-    def used_tokens(self) -> tuple[int, int]:
-        """What this request really cost, ``(prompt, output)``: committed at settlement.
+    def used_tokens(self) -> int:
+        """What this request really cost: the figure committed at settlement."""
+        return sum(self.billed())
+
+    def billed(self) -> tuple[int, int]:
+        """``(prompt, output)`` committed at settlement.
 
         Never the prompt alone for an answer that may hold output: what can't be read keeps
         the reservation (or ``max_tokens`` where only that bounds the output).
@@ -565,17 +569,19 @@ class ResponseMeter:
         counters = self.admitted.policy.token_counters
         metrics = self.metrics
         labels = self._labels
-        metrics.settled[(*labels, reason)] += 1
-        if not counters:
-            return
-        prompt, output = self.used_tokens()
+        ledger_reason = self._ledger_reason(reason)
+        metrics.settled[(*labels, ledger_reason)] += 1
+        if not self.admitted.policy.metered:
+            return  # nothing was admitted in the backend: no record to settle
+        # RPM-only requests are settled too (no counter changes): the ledger records them.
+        prompt, output = self.billed()
         used = prompt + output
         span = None
         if self.trace is not None:
             self.trace.span.set_attributes(
                 {"gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": output}
             )
-            span = self.trace.child("extproc.settle", **{"extproc.reason": reason})
+            span = self.trace.child("extproc.settle", **{"extproc.reason": ledger_reason})
             span.set_attribute("extproc.used", used)
         metrics.tokens[(*labels, "prompt")] += prompt
         metrics.tokens[(*labels, "output")] += output
@@ -587,7 +593,11 @@ class ResponseMeter:
             # what it cannot apply now in its queue and applies it when Redis returns, so
             # the settlement is not retried here; memory:// cannot fail.
             settlement = await self.runtime.backend.settle(
-                self.admitted.reservation_key, counters, used
+                self.admitted.reservation_key,
+                counters,
+                used,
+                reason=ledger_reason,
+                output_tokens=output,
             )
         except Exception as exc:
             metrics.settle_errors_total += 1
@@ -615,6 +625,22 @@ class ResponseMeter:
             )
             span.end()
 
+    def _ledger_reason(self, reason: str) -> SettleReason:
+        """The meter's (and the gRPC stream's) end reasons as the usage ledger names them."""
+        if self.mode in ("upstream_error", "unreadable") or reason == "protocol_error":
+            return "upstream_error"
+        return _LEDGER_REASONS.get(reason, "disconnect")
+
     @property
     def _rid(self) -> str:
         return self.admitted.reservation_key
+
+
+# Anything else ends the gRPC stream before the answer did (``end_of_stream``,
+# ``cancelled``, ``error``): the client went away.
+_LEDGER_REASONS: dict[str, SettleReason] = {
+    "completed": "completed",
+    "cutoff": "cutoff",
+    "idle_timeout": "timeout",
+    "shutdown": "shutdown",
+}

@@ -20,6 +20,7 @@ from extproc.config.schema import (
     PlanSpec,
     TenantSpec,
 )
+from extproc.quota.base import LedgerSettings
 from extproc.quota.topology import parse_redis_url, seeds_to_url
 from extproc.tokens.registry import TokenizerRule
 
@@ -45,7 +46,9 @@ _TOP_KEYS = {
     "settle_queue_max",
     "heartbeat_ttl_s",
     "orphan_sweep_s",
+    "usage_ledger",
 }
+_LEDGER_KEYS = {"enabled", "max_len", "retention_s"}
 _BREAKER_KEYS = {"failures", "probe_interval_ms"}
 _PLAN_KEYS = {
     "limits",
@@ -118,6 +121,19 @@ def _breaker(doc: Any) -> CircuitBreakerSpec:
     failures = _int(doc.get("failures", 5), "circuit_breaker.failures")
     interval = _int(doc.get("probe_interval_ms", 500), "circuit_breaker.probe_interval_ms")
     return CircuitBreakerSpec(failures=failures, probe_interval_s=interval / 1000)  # type: ignore[arg-type, operator]
+
+
+def _ledger(doc: Any) -> LedgerSettings:
+    doc = _mapping({} if doc is None else doc, "usage_ledger")
+    _known(doc, _LEDGER_KEYS, "usage_ledger")
+    default = LedgerSettings()
+    return LedgerSettings(
+        enabled=_bool(doc.get("enabled", default.enabled), "usage_ledger.enabled"),
+        max_len=_int(doc.get("max_len", default.max_len), "usage_ledger.max_len", minimum=0),  # type: ignore[arg-type]
+        retention_s=_int(  # type: ignore[arg-type]
+            doc.get("retention_s", default.retention_s), "usage_ledger.retention_s", minimum=0
+        ),
+    )
 
 
 def _seconds(value: Any, path: str, low: float, high: float) -> float:
@@ -353,6 +369,7 @@ def parse_config(doc: Any) -> Config:
         # At most a record's hour: a longer one would outlive what it protects.
         heartbeat_ttl_s=_seconds(doc.get("heartbeat_ttl_s", 30), "heartbeat_ttl_s", 1, 3600),
         orphan_sweep_s=_seconds(doc.get("orphan_sweep_s", 10), "orphan_sweep_s", 0.1, 3600),
+        usage_ledger=_ledger(doc.get("usage_ledger")),
         model_index=index,
     )
     normalised = _normalise(config)
@@ -411,6 +428,11 @@ def _normalise(config: Config) -> dict[str, Any]:
         "settle_queue_max": config.settle_queue_max,
         "heartbeat_ttl_s": config.heartbeat_ttl_s,
         "orphan_sweep_s": config.orphan_sweep_s,
+        "usage_ledger": {
+            "enabled": config.usage_ledger.enabled,
+            "max_len": config.usage_ledger.max_len,
+            "retention_s": config.usage_ledger.retention_s,
+        },
         "models": {
             m.name: {
                 "aliases": sorted(m.aliases),

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from extproc.quota.base import LedgerSettings
+
 ChargeMode = Literal["incremental", "reserve_max"]
 OnExhaustion = Literal["error", "truncate"]
 RpmCounts = Literal["attempts", "admitted"]
@@ -114,6 +116,8 @@ class Config:
     # (extproc.quota.orphans); each processor looks for dead peers every orphan_sweep_s.
     heartbeat_ttl_s: float = 30.0
     orphan_sweep_s: float = 10.0
+    # The per-tenant usage ledger (a Redis Stream each) and its bounds.
+    usage_ledger: LedgerSettings = field(default_factory=LedgerSettings)
     # Every model name and alias -> its quota model, built once by the loader.
     model_index: dict[str, ModelSpec] = field(repr=False, default_factory=dict)
     # Normalised document and its sha256: logged at start so diverging replicas show.

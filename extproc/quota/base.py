@@ -58,6 +58,16 @@ deadline raises ``QuotaTimeout`` (a ``QuotaUnavailable``). Either way the caller
 whether an ``admit`` was applied, so it must ``cancel`` the key (and may retry every call:
 all are idempotent on their key and ``seq``).
 
+Usage ledger: every settlement that finds an admitted, unsettled record (``settle``,
+``cancel`` of an admission that ran, a peer's orphan settlement) appends one entry
+(``LEDGER_FIELDS``) to the tenant's ledger in the same atomic step that changes the counters;
+a replay, a refused or unknown record writes nothing. ``windows`` lists, per token counter
+the request was charged on, ``kind:window_s:window_start:net`` (``;``-separated), ``net``
+being what that window keeps of the request after the refund and any excess: summed over
+the ledger, a window's ``net`` equals the counter's value (RPM counters are not in it).
+``prompt_tokens`` + ``output_tokens`` = ``used``: the caller's ``output_tokens``, or without
+it (cancel, orphan) admission's prompt count first and the rest as output.
+
 Record lifetimes: an open (admitted, unsettled) record lives ``record_ttl_s`` (an hour); once
 ``settle`` has run it lives at most ``SETTLED_TTL_S`` (backends take ``settled_ttl_s``), which
 is what the settling processor's own retries need (a retry within it gets
@@ -74,6 +84,38 @@ from typing import Literal, Protocol
 
 CounterKind = Literal["rpm", "tpm", "tenant_tpm", "daily"]
 TOKEN_KINDS: frozenset[CounterKind] = frozenset({"tpm", "tenant_tpm", "daily"})
+# Why a request was settled, as the usage ledger records it. ``cancelled``: an admission
+# whose reply was lost, reconciled by ``cancel`` (only recorded when it had run and
+# charged); ``orphaned``: a dead processor's record settled by a peer.
+SettleReason = Literal[
+    "completed",
+    "cutoff",
+    "disconnect",
+    "upstream_error",
+    "timeout",
+    "shutdown",
+    "cancelled",
+    "orphaned",
+]
+SETTLE_REASONS: frozenset[str] = frozenset(
+    {"completed", "cutoff", "disconnect", "upstream_error", "timeout", "shutdown"}
+)  # what a caller of ``settle`` may pass; the other two are the backends' own
+LEDGER_FIELDS: tuple[str, ...] = (
+    "tenant",
+    "plan",
+    "model",
+    "request_id",
+    "client_request_id",
+    "prompt_tokens",
+    "output_tokens",
+    "reserved",
+    "used",
+    "refunded",
+    "windows",
+    "reason",
+    "admitted_at_us",
+    "settled_at_us",
+)
 
 # Default lifetime of a reservation record, and of the tombstone ``cancel`` writes when no
 # record exists yet: it must outlive any admit still in flight for that key.
@@ -140,6 +182,30 @@ class Verdict:
 
 
 @dataclass(frozen=True, slots=True)
+class UsageTags:
+    """What the usage ledger records about a request that only admission knows; the admit
+    script stores it in the reservation record for the settlement to copy. (The tenant is
+    the reservation key's own.)"""
+
+    plan: str = ""
+    model: str = ""
+    client_request_id: str = ""
+    prompt_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerSettings:
+    """The usage ledger: one Redis Stream per tenant (``keys.usage_stream_key``), one entry
+    per settlement, written by the script that changes the counters. Bounded by
+    ``max_len`` (approximate, ``XADD MAXLEN ~``) and ``retention_s`` (``XTRIM MINID ~``);
+    0 turns a bound off."""
+
+    enabled: bool = True
+    max_len: int = 1_000_000
+    retention_s: int = 7 * 86400
+
+
+@dataclass(frozen=True, slots=True)
 class Grant:
     """Result of a lease batch: ``granted`` is 0 (refused) or between minimum and amount."""
 
@@ -181,6 +247,8 @@ class AdmitRequest:
     # unused leases come back when they settle) charges and records nothing and says so
     # (``Verdict.retry_soon``): the caller may ask again shortly with the same key.
     soft_refusal: bool = False
+    # Stored in the record for the usage ledger (None: empty fields).
+    usage: UsageTags | None = None
 
     @property
     def fail_open(self) -> bool:
@@ -203,7 +271,13 @@ class QuotaBackend(Protocol):
     ) -> Grant: ...
 
     async def settle(
-        self, reservation_key: str, token_counters: tuple[Counter, ...], used: int
+        self,
+        reservation_key: str,
+        token_counters: tuple[Counter, ...],
+        used: int,
+        *,
+        reason: SettleReason = "completed",
+        output_tokens: int | None = None,
     ) -> Settlement: ...
 
     async def cancel(

@@ -32,7 +32,7 @@ def backend_from_url(
     if url == "memory://" or url.startswith("memory://"):
         if url != "memory://":
             raise ValueError(f"memory:// takes no host, path or options: {url!r}")
-        return MemoryQuotaBackend()
+        return MemoryQuotaBackend(ledger=redis_options.get("ledger"))
     topology = parse_redis_url(url)
     if topology.kind == "single":
         backend = RedisQuotaBackend.from_url(url, **redis_options)

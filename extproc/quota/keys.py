@@ -4,7 +4,10 @@ Layout (``<t>``, ``<m>`` and ``<id>`` are percent-encoded)::
 
     <prefix>:{<t>}:c:<kind>:<m>:<window_s>     counter prefix; backends append :<window_start>
     <prefix>:{<t>}:c:<kind>:*:<window_s>       tenant-wide counter (no model)
+    <prefix>:{<t>}:c:<kind>:<m>:<window_s>:<start>   one window of it (what scripts touch)
     <prefix>:{<t>}:r:<id>                      reservation record of one request
+    <prefix>:{<t>}:open                        the tenant's count of open requests
+    <prefix>:{<t>}:usage                       the tenant's usage ledger (a Stream)
     <prefix>:{~p}:procs                        set of processor ids that have heartbeaten
     <prefix>:{~p}:hb:<p>                       heartbeat of processor <p> (short TTL)
     <prefix>:{~p}:own:<p>                      reservation keys processor <p> holds open
@@ -113,6 +116,11 @@ def open_count_key(reservation_key: str) -> str:
     ``<prefix>:{<t>}:open``: same hash tag (slot) as every record of the tenant.
     """
     return f"{_tenant_part(reservation_key)}:open"
+
+
+def usage_stream_key(reservation_key: str) -> str:
+    """The tenant's usage ledger (a Redis Stream), in the slot of its counters and records."""
+    return f"{_tenant_part(reservation_key)}:usage"
 
 
 def window_key(counter_prefix: str, window_start: int) -> str:

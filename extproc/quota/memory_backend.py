@@ -12,7 +12,9 @@ takes this backend with it, so it has no orphans to reconcile.
 from __future__ import annotations
 
 import math
+import re
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,10 +27,18 @@ from extproc.quota.base import (
     CounterKind,
     CounterState,
     Grant,
+    LedgerSettings,
     Settlement,
+    SettleReason,
+    UsageTags,
     Verdict,
 )
-from extproc.quota.keys import records_prefix, window_key
+from extproc.quota.keys import decode_name, records_prefix, usage_stream_key, window_key
+
+# kind, window_s, window_start of a window key (keys.counter_key + ":<start>").
+_WINDOW_KEY = re.compile(r":c:([a-z_]+):[^:]*:(\d+):(\d+)$")
+_KIND_RANK = {"tpm": 1, "tenant_tpm": 2, "daily": 3}
+LedgerEntry = tuple[str, dict[str, str]]
 
 
 @dataclass(slots=True)
@@ -46,6 +56,9 @@ class _Record:
     settlement: Settlement | None = None
     cancelled: bool = False  # 'c' in Redis: admissions of this key charge nothing
     tombstone: bool = False  # written by cancel before any admission ran (no 'v')
+    tags: UsageTags = field(default_factory=UsageTags)
+    admitted_at_us: str = ""
+    net: dict[str, int] = field(default_factory=dict)  # window key -> kept after settling
 
 
 class MemoryQuotaBackend:
@@ -54,9 +67,14 @@ class MemoryQuotaBackend:
         clock: Callable[[], float] = time.time,
         sweep_interval_s: float = 5.0,
         settled_ttl_s: int = SETTLED_TTL_S,
+        ledger: LedgerSettings | None = None,
     ) -> None:
         if settled_ttl_s <= 0:
             raise ValueError(f"settled_ttl_s must be > 0, got {settled_ttl_s}")
+        self.ledger = ledger if ledger is not None else LedgerSettings()
+        # The usage ledger: per tenant stream key, (entry id, fields) as Redis XRANGE lists.
+        self._ledgers: dict[str, deque[LedgerEntry]] = {}
+        self._last_id = (0, -1)
         self._clock = clock
         self.settled_ttl_s = settled_ttl_s
         self._counters: dict[str, tuple[int, float]] = {}  # window key -> (value, expires_at)
@@ -68,6 +86,13 @@ class MemoryQuotaBackend:
         """Live window keys and their values, as Redis would list them (for inspection)."""
         now = self._clock()
         return {k: v for k, (v, exp) in self._counters.items() if exp > now}
+
+    def ledger_entries(self, stream_key: str) -> list[LedgerEntry]:
+        """The ledger entries of one tenant stream (``keys.usage_stream_key``), oldest first."""
+        return list(self._ledgers.get(stream_key, ()))
+
+    def ledger_streams(self) -> list[str]:
+        return sorted(self._ledgers)
 
     def stored_entries(self) -> tuple[int, int]:
         """(window counters, reservation records) held, expired or not: the memory in use."""
@@ -140,8 +165,10 @@ class MemoryQuotaBackend:
             expires_at=now_s + request.record_ttl_s,
         )
         if admitted:
-            record.reserved = request.tokens
-            if request.tokens > 0:
+            record.tags = request.usage or UsageTags()
+            record.admitted_at_us = _micros(now)
+            if request.tokens > 0 and request.token_counters:
+                record.reserved = request.tokens
                 for i in range(n_req, len(counters)):
                     charge(i, request.tokens)
                     record.charged[keys[i]] = request.tokens
@@ -217,9 +244,16 @@ class MemoryQuotaBackend:
         )
 
     async def settle(
-        self, reservation_key: str, token_counters: tuple[Counter, ...], used: int
+        self,
+        reservation_key: str,
+        token_counters: tuple[Counter, ...],
+        used: int,
+        *,
+        reason: SettleReason = "completed",
+        output_tokens: int | None = None,
     ) -> Settlement:
         windows.check_settle(used, token_counters)
+        windows.check_reason(reason, output_tokens, used)
         now, now_s = self._tick()
         record = self._record(reservation_key, now)
         if record is not None and record.settlement is not None:
@@ -228,6 +262,7 @@ class MemoryQuotaBackend:
             zeros = tuple(0 for _ in token_counters)
             return Settlement(reserved=0, used=used, refunded=0, refunded_per_counter=zeros)
         record.settlement = self._settle(record, token_counters, used, now, now_s)
+        self._append(reservation_key, record, reason, output_tokens, now)
         # settle.lua: EXPIRE settled_ttl_s unless the record would expire sooner.
         record.expires_at = min(record.expires_at, now + self.settled_ttl_s)
         return record.settlement
@@ -260,6 +295,7 @@ class MemoryQuotaBackend:
             self._records[reservation_key] = record
         if record.admitted:
             record.settlement = self._settle(record, token_counters, 0, now, now_s)
+            self._append(reservation_key, record, "cancelled", None, now)
         else:
             zeros = tuple(0 for _ in token_counters)
             record.settlement = Settlement(
@@ -288,6 +324,7 @@ class MemoryQuotaBackend:
     ) -> Settlement:
         """Commit ``used`` and refund the rest of an admitted record (settle.lua)."""
         refunds: list[int] = []
+        record.net = dict(record.charged)
         for c in token_counters:
             head = c.key + ":"
             charged = sorted(
@@ -312,9 +349,12 @@ class MemoryQuotaBackend:
                         value, expires_at = self._counters[key]
                         self._counters[key] = (value - take, expires_at)
                         refunded += take
+                        record.net[key] -= take
             if used > record.reserved:
                 start = windows.window_start(now_s, c.window_s)
-                self._incr(window_key(c.key, start), used - record.reserved, start, c.window_s, now)
+                key = window_key(c.key, start)
+                self._incr(key, used - record.reserved, start, c.window_s, now)
+                record.net[key] = record.net.get(key, 0) + used - record.reserved
             refunds.append(refunded)
 
         return Settlement(
@@ -324,9 +364,69 @@ class MemoryQuotaBackend:
             refunded_per_counter=tuple(refunds),
         )
 
+    def _append(
+        self,
+        reservation_key: str,
+        record: _Record,
+        reason: str,
+        output_tokens: int | None,
+        now: float,
+    ) -> None:
+        """One ledger entry, field for field what settle.lua writes."""
+        if not self.ledger.enabled:
+            return
+        settlement = record.settlement
+        assert settlement is not None
+        used = settlement.used
+        if output_tokens is None:  # admission's prompt count first (settle.lua)
+            output_tokens = used - min(record.tags.prompt_tokens, used)
+        prompt = used - output_tokens
+        entries = []
+        for key, net in record.net.items():
+            match = _WINDOW_KEY.search(key)
+            if match is not None:
+                kind, window, start = match.groups()
+                rank = _KIND_RANK.get(kind, 9)
+                entries.append((rank, int(start), f"{kind}:{window}:{start}:{net}"))
+        fields = {
+            "tenant": decode_name(reservation_key.partition("{")[2].partition("}")[0]),
+            "plan": record.tags.plan,
+            "model": record.tags.model,
+            "request_id": decode_name(reservation_key.rpartition(":r:")[2]),
+            "client_request_id": record.tags.client_request_id,
+            "prompt_tokens": str(prompt),
+            "output_tokens": str(output_tokens),
+            "reserved": str(settlement.reserved),
+            "used": str(used),
+            "refunded": str(settlement.refunded),
+            "windows": ";".join(e[2] for e in sorted(entries)),
+            "reason": reason,
+            "admitted_at_us": record.admitted_at_us,
+            "settled_at_us": _micros(now),
+        }
+        ms = math.floor(now * 1000)
+        seq = self._last_id[1] + 1 if ms <= self._last_id[0] else 0
+        ms = max(ms, self._last_id[0])
+        self._last_id = (ms, seq)
+        stream = self._ledgers.setdefault(usage_stream_key(reservation_key), deque())
+        stream.append((f"{ms}-{seq}", fields))
+        if self.ledger.max_len > 0:
+            while len(stream) > self.ledger.max_len:
+                stream.popleft()
+        if self.ledger.retention_s > 0:
+            horizon = math.floor(now * 1000) - self.ledger.retention_s * 1000
+            while stream and int(stream[0][0].split("-")[0]) < horizon:
+                stream.popleft()
+
     async def ping(self) -> bool:
         return True
 
     async def close(self) -> None:
         self._counters.clear()
         self._records.clear()
+        self._ledgers.clear()
+
+
+def _micros(now: float) -> str:
+    """Microseconds since the epoch, as settle.lua writes TIME (seconds + 6 digits)."""
+    return str(round(now * 1_000_000))

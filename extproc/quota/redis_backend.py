@@ -14,6 +14,13 @@ on a new connection: every script is idempotent on its record key (and ``seq``),
 connection that sat through a Redis restart fails once when next used. A call cut off by
 the deadline leaves no stale reply behind: its reply is read and dropped in turn.
 
+Keys. Every key a script touches is in its KEYS, the concrete window keys included: the
+backend estimates the server's clock (an offset learned from the TIME every reply carries,
+0 at first), passes each counter's current window key and start, and the script checks the
+starts against its own TIME. A mismatch (near a window boundary, or a wrong estimate)
+charges nothing and replies the server's time: the offset is corrected and the call retried
+(``WINDOW_RETRIES``). Windows still come from the server's clock.
+
 Ownership. Each backend instance is one processor identity (``owner_id``): admit.lua stores
 it in every admitted record (one more ARGV, no extra call). Once ``track_open_reservations``
 is on (``extproc.quota.orphans`` turns it on), admissions and settlements also update an
@@ -25,9 +32,11 @@ owner's record with ``used`` = what it had reserved.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import secrets
 import socket
+import time
 from collections.abc import Awaitable
 from importlib import resources
 from typing import Any, Literal, TypeVar
@@ -48,12 +57,14 @@ from extproc.quota.base import (
     CounterKind,
     CounterState,
     Grant,
+    LedgerSettings,
     QuotaTimeout,
     QuotaUnavailable,
     Settlement,
+    SettleReason,
+    UsageTags,
     Verdict,
 )
-from extproc.quota.keys import open_count_key
 from extproc.quota.orphans import OpenReservations
 from extproc.quota.resp import RespConnection, Script
 
@@ -68,6 +79,23 @@ _ORPHAN_STATUS: dict[int, OrphanStatus] = {
     3: "not_owned",
 }
 _MODE_SETTLE, _MODE_CANCEL, _MODE_ORPHAN = 0, 1, 2
+# A script finding a passed window start that is not its server's current one charges
+# nothing and says so; the call is retried with the server's clock at most this often.
+WINDOW_RETRIES = 2
+_NO_TAGS = UsageTags()
+
+
+def _tenant(reservation_key: str) -> str:
+    """``<prefix>:{<t>}`` of a reservation key (``keys.open_count_key`` and
+    ``keys.usage_stream_key`` without their checks: the hot path builds both per call)."""
+    tag, sep, _ = reservation_key.rpartition(":r:")
+    if not sep:
+        raise ValueError(f"not a reservation key: {reservation_key!r}")
+    return tag
+
+
+class WrongWindow(QuotaUnavailable):
+    """The server's clock kept disagreeing with the window keys passed (clock jumps)."""
 
 
 def new_owner_id() -> str:
@@ -77,10 +105,6 @@ def new_owner_id() -> str:
 
 def load_lua(name: str) -> str:
     return resources.files("extproc.quota").joinpath("lua", name).read_text(encoding="utf-8")
-
-
-def _now(now_s: Any, now_us: Any) -> float:
-    return int(now_s) + int(now_us) / 1_000_000
 
 
 def _parse_verdict(verdict: str, now: float, replayed: bool, cancelled: bool) -> Verdict:
@@ -133,6 +157,7 @@ class RedisQuotaBackend:
         *,
         owner_id: str | None = None,
         settled_ttl_s: int = SETTLED_TTL_S,
+        ledger: LedgerSettings | None = None,
     ) -> None:
         # The client must decode responses: the scripts reply with text verdicts.
         if command_timeout_s is not None and command_timeout_s <= 0:
@@ -148,9 +173,13 @@ class RedisQuotaBackend:
         self.settled_ttl_s = settled_ttl_s
         # Set by ``track_open_reservations``; None: nothing is tracked (no cost at all).
         self.open_reservations: OpenReservations | None = None
-        self._admit = Script(load_lua("admit.lua"))
-        self._reserve = Script(load_lua("reserve.lua"))
-        self._settle = Script(load_lua("settle.lua"))
+        self._admit = Script(self.script_source("admit.lua"))
+        self._reserve = Script(self.script_source("reserve.lua"))
+        self.ledger = ledger if ledger is not None else LedgerSettings()  # builds _settle
+        # Server clock minus ours, learned from the TIME in every reply.
+        self.clock_offset_s = 0.0
+        # Calls sent again because the window keys passed were not the server's current.
+        self.window_retries = 0
 
     @classmethod
     def from_url(
@@ -167,6 +196,7 @@ class RedisQuotaBackend:
         connection_retries: int = 1,
         owner_id: str | None = None,
         settled_ttl_s: int = SETTLED_TTL_S,
+        ledger: LedgerSettings | None = None,
         **connection_options: Any,
     ) -> RedisQuotaBackend:
         """Connect lazily to ``redis://`` or ``rediss://`` (TLS) ``[user:password@]host:port/db``.
@@ -215,7 +245,33 @@ class RedisQuotaBackend:
             command_timeout_s=command_timeout_s,
             owner_id=owner_id,
             settled_ttl_s=settled_ttl_s,
+            ledger=ledger,
         )
+
+    @property
+    def ledger(self) -> LedgerSettings:
+        return self._ledger
+
+    @ledger.setter
+    def ledger(self, settings: LedgerSettings) -> None:
+        if settings.max_len < 0 or settings.retention_s < 0:
+            raise ValueError("usage ledger max_len and retention_s must be >= 0")
+        self._ledger = settings
+        self._settle = Script(self.script_source("settle.lua"))
+
+    def script_source(self, name: str) -> str:
+        """A script's text with this backend's constants prepended: what every call would
+        otherwise pack as arguments (a server-side constant costs nothing per call)."""
+        constants = {"MARGIN": windows.EXPIRY_MARGIN_S}
+        if name == "settle.lua":
+            constants |= {
+                "SETTLED_TTL": self.settled_ttl_s,
+                "LEDGER": "true" if self._ledger.enabled else "false",
+                "MAX_LEN": self._ledger.max_len,
+                "RETENTION_MS": self._ledger.retention_s * 1000,
+            }
+        names, values = ", ".join(constants), ", ".join(map(str, constants.values()))
+        return f"local {names} = {values}\n" + load_lua(name)
 
     @property
     def client(self) -> aioredis.Redis:
@@ -241,38 +297,57 @@ class RedisQuotaBackend:
         except (RedisError, OSError) as exc:
             raise QuotaUnavailable(f"quota {operation} failed: {exc}") from exc
 
+    def server_now_s(self) -> int:
+        """This process's estimate of the server's clock, in whole seconds."""
+        return math.floor(time.time() + self.clock_offset_s)
+
+    def learn_clock(self, now_s: Any, now_us: Any) -> float:
+        """Take the server's TIME from a reply; returns it as a float."""
+        now = int(now_s) + int(now_us) / 1_000_000
+        self.clock_offset_s = now - time.time()
+        return now
+
     async def admit(self, request: AdmitRequest) -> Verdict:
         windows.check_admit(request)
         counters = request.request_counters + request.token_counters
-        args: list[Any] = [
-            len(request.request_counters),
-            len(request.token_counters),
-            request.tokens,
-            1 if request.count_refused_attempts else 0,
-            request.record_ttl_s,
-            windows.EXPIRY_MARGIN_S,
-            self.owner_id,
-            1 if request.soft_refusal else 0,
-        ]
-        for counter in counters:
-            args += (counter.kind, counter.limit, counter.window_s)
-        keys = [
-            request.reservation_key,
-            *(c.key for c in counters),
-            open_count_key(request.reservation_key),
-        ]
-        replayed, verdict, now_s, now_us, cancelled, retry_soon = await self._call(
-            "admit", self._scripts.run_script(self._admit, keys, args)
-        )
+        tags = request.usage or _NO_TAGS
+        key = request.reservation_key
+        open_key = _tenant(key) + ":open"
+        now_s = math.floor(time.time() + self.clock_offset_s)
+        for attempt in range(WINDOW_RETRIES + 1):
+            keys = [key]
+            args: list[Any] = [
+                len(request.request_counters),
+                len(request.token_counters),
+                request.tokens,
+                1 if request.count_refused_attempts else 0,
+                request.record_ttl_s,
+                self.owner_id,
+                1 if request.soft_refusal else 0,
+                tags.plan,
+                tags.model,
+                tags.client_request_id,
+                tags.prompt_tokens,
+            ]
+            for c in counters:
+                keys.append(f"{c.key}:{now_s - now_s % c.window_s}")
+                args += (c.kind, c.limit, c.window_s)
+            keys.append(open_key)
+            reply = await self._call("admit", self._scripts.run_script(self._admit, keys, args))
+            replayed, verdict, reply_s, reply_us, cancelled, retry_soon, wrong = reply
+            now = self.learn_clock(reply_s, reply_us)
+            if not wrong:
+                break
+            self.window_retries += 1
+            now_s = int(reply_s)
+            if attempt == WINDOW_RETRIES:
+                raise WrongWindow(f"quota admit: window keys kept missing the server's {now}")
         if retry_soon:
             return Verdict(admitted=False, retry_soon=True)
-        parsed = _parse_verdict(
-            verdict, _now(now_s, now_us), replayed=bool(replayed), cancelled=bool(cancelled)
-        )
-        if parsed.admitted and request.token_counters and self.open_reservations is not None:
-            # Only a record that holds tokens has anything to reconcile (RPM-only requests
-            # are never settled: they hold nothing once admitted).
-            self.open_reservations.opened(request.reservation_key)
+        parsed = _parse_verdict(verdict, now, replayed=bool(replayed), cancelled=bool(cancelled))
+        if parsed.admitted and self.open_reservations is not None:
+            # Every admitted record is settled (RPM-only ones too: the ledger records them).
+            self.open_reservations.opened(key)
         return parsed
 
     async def reserve(
@@ -284,15 +359,26 @@ class RedisQuotaBackend:
         minimum: int = 1,
     ) -> Grant:
         windows.check_reserve(seq, amount, minimum, token_counters)
-        args: list[Any] = [seq, amount, minimum, windows.EXPIRY_MARGIN_S]
-        for counter in token_counters:
-            args += (counter.limit, counter.window_s)
-        keys = [reservation_key, *(c.key for c in token_counters), open_count_key(reservation_key)]
-        reply = await self._call("reserve", self._scripts.run_script(self._reserve, keys, args))
-        status, granted, now_s, now_us = reply[:4]
+        open_key = _tenant(reservation_key) + ":open"
+        now_s = math.floor(time.time() + self.clock_offset_s)
+        for attempt in range(WINDOW_RETRIES + 1):
+            keys = [reservation_key]
+            args: list[Any] = [seq, amount, minimum]
+            for c in token_counters:
+                keys.append(f"{c.key}:{now_s - now_s % c.window_s}")
+                args += (c.limit, c.window_s)
+            keys.append(open_key)
+            reply = await self._call("reserve", self._scripts.run_script(self._reserve, keys, args))
+            status, granted, reply_s, reply_us = reply[:4]
+            now = self.learn_clock(reply_s, reply_us)
+            if status != "wrong_window":
+                break
+            self.window_retries += 1
+            now_s = int(reply_s)
+            if attempt == WINDOW_RETRIES:
+                raise WrongWindow(f"quota reserve: window keys kept missing the server's {now}")
         if status in ("not_admitted", "settled"):
             return Grant(granted=0)
-        now = _now(now_s, now_us)
         states = tuple(
             windows.counter_state(
                 c.kind, c.limit, c.window_s, int(reply[4 + 2 * i]), int(reply[5 + 2 * i]), now
@@ -307,29 +393,79 @@ class RedisQuotaBackend:
         )
 
     async def settle(
-        self, reservation_key: str, token_counters: tuple[Counter, ...], used: int
+        self,
+        reservation_key: str,
+        token_counters: tuple[Counter, ...],
+        used: int,
+        *,
+        reason: SettleReason = "completed",
+        output_tokens: int | None = None,
     ) -> Settlement:
         windows.check_settle(used, token_counters)
-        args = self._settle_args(used, _MODE_SETTLE, RECORD_TTL_S, token_counters)
-        keys = [reservation_key, *(c.key for c in token_counters), open_count_key(reservation_key)]
-        already, summary = await self._call(
-            "settle", self._scripts.run_script(self._settle, keys, args)
-        )
+        windows.check_reason(reason, output_tokens, used)
+        # _run_settle inlined: the hot path's one round trip without another coroutine.
+        head = [used, _MODE_SETTLE, RECORD_TTL_S, self.owner_id, reason,
+                -1 if output_tokens is None else output_tokens]  # fmt: skip
+        now_s = math.floor(time.time() + self.clock_offset_s)
+        keys, args = self._settle_request(reservation_key, token_counters, head, now_s)
+        reply = await self._call("settle", self._scripts.run_script(self._settle, keys, args))
+        if reply[0] == 4:
+            reply = await self._settle_retry("settle", reservation_key, token_counters, head, reply)
         self._closed(reservation_key)
-        return _settlement(already, summary)
+        return _settlement(reply[0], reply[1])
 
-    def _settle_args(
-        self, used: int, mode: int, tombstone_ttl_s: int, token_counters: tuple[Counter, ...]
-    ) -> list[Any]:
-        return [
-            used,
-            windows.EXPIRY_MARGIN_S,
-            mode,
-            tombstone_ttl_s,
-            self.settled_ttl_s,
-            self.owner_id,
-            *(c.window_s for c in token_counters),
-        ]
+    def _settle_request(
+        self, reservation_key: str, token_counters: tuple[Counter, ...], head: list[Any], now_s: int
+    ) -> tuple[list[str], list[Any]]:
+        """settle.lua's KEYS and ARGV for the windows current at ``now_s``."""
+        tenant = _tenant(reservation_key)
+        keys = [reservation_key]
+        args = head.copy()
+        for c in token_counters:
+            keys.append(f"{c.key}:{now_s - now_s % c.window_s}")
+            args.append(c.window_s)
+        keys += (tenant + ":open", tenant + ":usage")
+        return keys, args
+
+    async def _settle_retry(
+        self,
+        operation: str,
+        reservation_key: str,
+        token_counters: tuple[Counter, ...],
+        head: list[Any],
+        reply: Any,
+    ) -> Any:
+        """Send settle.lua again after a "wrong window" reply, with the server's time."""
+        for _ in range(WINDOW_RETRIES):
+            self.window_retries += 1
+            self.learn_clock(reply[2], reply[3])
+            keys, args = self._settle_request(reservation_key, token_counters, head, int(reply[2]))
+            reply = await self._call(operation, self._scripts.run_script(self._settle, keys, args))
+            if reply[0] != 4:
+                return reply
+        now = self.learn_clock(reply[2], reply[3])
+        raise WrongWindow(f"quota {operation}: window keys kept missing the server's {now}")
+
+    async def _run_settle(
+        self,
+        operation: str,
+        reservation_key: str,
+        token_counters: tuple[Counter, ...],
+        used: int,
+        mode: int,
+        tombstone_ttl_s: int,
+        reason: str,
+        owner_id: str | None = None,
+    ) -> tuple[Any, str]:
+        head = [used, mode, tombstone_ttl_s, owner_id or self.owner_id, reason, -1]
+        now_s = math.floor(time.time() + self.clock_offset_s)
+        keys, args = self._settle_request(reservation_key, token_counters, head, now_s)
+        reply = await self._call(operation, self._scripts.run_script(self._settle, keys, args))
+        if reply[0] == 4:
+            reply = await self._settle_retry(
+                operation, reservation_key, token_counters, head, reply
+            )
+        return reply[0], reply[1]
 
     def _closed(self, reservation_key: str) -> None:
         if self.open_reservations is not None:
@@ -342,10 +478,8 @@ class RedisQuotaBackend:
         tombstone_ttl_s: int = RECORD_TTL_S,
     ) -> Settlement:
         windows.check_cancel(tombstone_ttl_s, token_counters)
-        args = self._settle_args(0, _MODE_CANCEL, tombstone_ttl_s, token_counters)
-        keys = [reservation_key, *(c.key for c in token_counters), open_count_key(reservation_key)]
-        already, summary = await self._call(
-            "cancel", self._scripts.run_script(self._settle, keys, args)
+        already, summary = await self._run_settle(
+            "cancel", reservation_key, token_counters, 0, _MODE_CANCEL, tombstone_ttl_s, "cancelled"
         )
         self._closed(reservation_key)
         return _settlement(already, summary)
@@ -358,21 +492,20 @@ class RedisQuotaBackend:
         Nothing is refunded and nothing more charged: the owner may have delivered up to all
         it had leased, so less would under-charge. Idempotent: a record already settled (by
         its owner before it died, or by another peer) is left alone. Only ``owner_id``'s
-        admitted record is touched; one script on the tenant's slot, no counter keys.
+        admitted record is touched; one script on the tenant's slot, no counter keys. Its
+        ledger entry says ``orphaned``.
         """
         if not owner_id:
             raise ValueError("owner_id must be non-empty")
-        args: list[Any] = [
+        code, summary = await self._run_settle(
+            "settle_orphan",
+            reservation_key,
+            (),
             0,
-            windows.EXPIRY_MARGIN_S,
             _MODE_ORPHAN,
             RECORD_TTL_S,
-            self.settled_ttl_s,
+            "orphaned",
             owner_id,
-        ]
-        keys = [reservation_key, open_count_key(reservation_key)]
-        code, summary = await self._call(
-            "settle_orphan", self._scripts.run_script(self._settle, keys, args)
         )
         status = _ORPHAN_STATUS[int(code)]
         if status in ("settled", "already_settled"):

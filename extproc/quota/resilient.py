@@ -32,6 +32,11 @@ seen the admission (its call failed with an unknown outcome): that key is cancel
 instead, whose record keeps the attempt if the admission ran. RPM of refused local attempts
 is not reconciled.
 
+**Ledger.** An absorb that carries a settlement's local part appends that part's usage
+ledger entry in the same script (reserved = used, nothing refunded; ``windows`` names the
+current windows it was charged to): a stream Redis admitted that leased locally during a
+pause has two entries with the same ``request_id``. A local RPM-only admission has none.
+
 **Queue.** Settlements, cancels and absorbs Redis cannot take now wait in a bounded FIFO
 (one entry per kind and key; all three are idempotent on their key). One worker applies
 them whenever the breaker is closed, so they go in as soon as Redis returns, with or
@@ -61,12 +66,21 @@ from extproc.quota.base import (
     AdmitRequest,
     Counter,
     Grant,
+    LedgerSettings,
     QuotaUnavailable,
     Settlement,
+    SettleReason,
+    UsageTags,
     Verdict,
 )
+from extproc.quota.keys import usage_stream_key, window_key
 from extproc.quota.memory_backend import MemoryQuotaBackend
-from extproc.quota.redis_backend import RedisQuotaBackend, load_lua
+from extproc.quota.redis_backend import (
+    WINDOW_RETRIES,
+    RedisQuotaBackend,
+    WrongWindow,
+    load_lua,
+)
 
 log = structlog.get_logger("extproc.quota.resilient")
 T = TypeVar("T")
@@ -125,6 +139,7 @@ class _Tracked:
     # Request counters to absorb: a local admission whose call never reached Redis.
     request_counters: tuple[Counter, ...] = ()
     admitted_at: float = 0.0
+    usage: UsageTags | None = None  # for the ledger entry of what is absorbed
     charges: list[tuple[float, int]] = field(default_factory=list)  # local (time, tokens)
 
 
@@ -136,8 +151,13 @@ class _Op:
     key: str
     counters: tuple[Counter, ...] = ()
     used: int = 0  # settle
+    reason: SettleReason = "completed"  # settle: for the usage ledger
+    output_tokens: int | None = None  # settle
     ttl_s: int = RECORD_TTL_S  # cancel: tombstone lifetime
     entries: tuple[tuple[str, int, int, int], ...] = ()  # absorb: (prefix, window, start, n)
+    # absorb: the ledger entry's own fields (plan, model, client id, reason, prompt, output,
+    # admitted_at_us); None: no entry (nothing of a settlement was served locally).
+    ledger: tuple[str, str, str, str, int, int, str] | None = None
     tokens: int = 0  # absorb: tokens served locally
     attempts: int = 0
 
@@ -161,7 +181,8 @@ class ResilientQuotaBackend:
         self.probe_interval_s = probe_interval_s
         self.queue_max = queue_max
         self._clock = clock
-        self.local = MemoryQuotaBackend(clock=clock)
+        # The allowance keeps no ledger: Redis's is the one (nothing to bound here).
+        self.local = MemoryQuotaBackend(clock=clock, ledger=LedgerSettings(enabled=False))
         # The absorb script runs on the Redis backend's own client, under its deadline.
         client = getattr(primary, "client", None) or primary._client
         self._absorb_script = client.register_script(load_lua("absorb.lua"))
@@ -255,7 +276,8 @@ class ResilientQuotaBackend:
             return await self._admit_locally(request, sent=True)
         if verdict.admitted and request.token_counters and request.fail_open:
             self._tracked.setdefault(
-                key, _Tracked(created=self._clock(), redis_reserved=request.tokens)
+                key,
+                _Tracked(created=self._clock(), redis_reserved=request.tokens, usage=request.usage),
             )
         return verdict
 
@@ -290,6 +312,7 @@ class ResilientQuotaBackend:
             local_record=True,
             request_counters=() if sent else request.request_counters,
             admitted_at=now,
+            usage=request.usage,
             charges=[(now, request.tokens)] if request.tokens else [],
         )
         self.metrics.fail_open_admissions_total += 1
@@ -364,17 +387,33 @@ class ResilientQuotaBackend:
     # -- settlement ------------------------------------------------------------------------
 
     async def settle(
-        self, reservation_key: str, token_counters: tuple[Counter, ...], used: int
+        self,
+        reservation_key: str,
+        token_counters: tuple[Counter, ...],
+        used: int,
+        *,
+        reason: SettleReason = "completed",
+        output_tokens: int | None = None,
     ) -> Settlement:
         windows.check_settle(used, token_counters)
+        windows.check_reason(reason, output_tokens, used)
         tracked = self._tracked.pop(reservation_key, None)
         if tracked is None or not tracked.local_record:
-            return await self._settle_remote(reservation_key, token_counters, used)
+            return await self._settle_remote(
+                reservation_key, token_counters, used, reason, output_tokens
+            )
         # Redis reserved the oldest part of the request, so it takes the oldest usage.
         used_remote = 0 if tracked.local else min(used, tracked.redis_reserved)
         used_local = used - used_remote
-        local = await self.local.settle(reservation_key, _local(token_counters), used_local)
-        self._absorb(reservation_key, tracked, token_counters, used_local)
+        local = await self.local.settle(
+            reservation_key, _local(token_counters), used_local, reason=reason
+        )
+        # The ledger's split: the prompt came first, so Redis's part holds it first.
+        remote_output = local_output = None
+        if output_tokens is not None:
+            remote_output = used_remote - min(used - output_tokens, used_remote)
+            local_output = output_tokens - remote_output
+        self._absorb(reservation_key, tracked, token_counters, used_local, reason, local_output)
         if tracked.local:
             return Settlement(
                 reserved=local.reserved,
@@ -383,7 +422,10 @@ class ResilientQuotaBackend:
                 refunded_per_counter=local.refunded_per_counter,
                 queued=True,
             )
-        remote = await self._settle_remote(reservation_key, token_counters, used_remote)
+        # Two ledger entries for this request: Redis's part here, the absorbed one on its own.
+        remote = await self._settle_remote(
+            reservation_key, token_counters, used_remote, reason, remote_output
+        )
         return Settlement(
             reserved=remote.reserved + local.reserved,
             used=used,
@@ -394,12 +436,23 @@ class ResilientQuotaBackend:
         )
 
     async def _settle_remote(
-        self, key: str, token_counters: tuple[Counter, ...], used: int
+        self,
+        key: str,
+        token_counters: tuple[Counter, ...],
+        used: int,
+        reason: SettleReason = "completed",
+        output_tokens: int | None = None,
     ) -> Settlement:
         try:
-            return await self._guarded(lambda: self.primary.settle(key, token_counters, used))
+            return await self._guarded(
+                lambda: self.primary.settle(
+                    key, token_counters, used, reason=reason, output_tokens=output_tokens
+                )
+            )
         except QuotaUnavailable as exc:
-            queued = self._enqueue(_Op("settle", key, token_counters, used=used))
+            op = _Op("settle", key, token_counters, used=used, reason=reason)
+            op.output_tokens = output_tokens
+            queued = self._enqueue(op)
             if queued:
                 log.info("settle_queued", request_id=key, used=used, error=repr(exc))
             zeros = _zeros(token_counters)
@@ -439,7 +492,13 @@ class ResilientQuotaBackend:
     # -- reconciliation --------------------------------------------------------------------
 
     def _absorb(
-        self, key: str, tracked: _Tracked, token_counters: tuple[Counter, ...], used: int
+        self,
+        key: str,
+        tracked: _Tracked,
+        token_counters: tuple[Counter, ...],
+        used: int,
+        reason: SettleReason = "completed",
+        output_tokens: int | None = None,
     ) -> None:
         """Queue the charge of what a reservation used locally, window by window."""
         now = self._clock()
@@ -464,14 +523,42 @@ class ResilientQuotaBackend:
                 add(counter, now, left)
         if entries:
             flat = tuple((p, w, s, n) for (p, w, s), n in entries.items())
-            self._enqueue(_Op("absorb", absorb_key(key), entries=flat, tokens=used))
+            op = _Op("absorb", absorb_key(key), entries=flat, tokens=used)
+            if token_counters:  # a settlement's local part: the ledger gets its entry
+                tags = tracked.usage or UsageTags()
+                output = (
+                    output_tokens
+                    if output_tokens is not None
+                    else max(0, used - tags.prompt_tokens)
+                )
+                output = min(output, used)
+                admitted_us = str(round(tracked.admitted_at * 1_000_000)) if tracked.local else ""
+                op.ledger = (tags.plan, tags.model, tags.client_request_id, reason,
+                             used - output, output, admitted_us)  # fmt: skip
+            self._enqueue(op)
 
     async def _absorb_call(self, op: _Op) -> Any:
-        keys = [op.key, *(entry[0] for entry in op.entries)]
-        args: list[Any] = [RECORD_TTL_S, windows.EXPIRY_MARGIN_S]
-        for _, window_s, start, amount in op.entries:
-            args += (window_s, start, amount)
-        return await self.primary._call("absorb", self._absorb_script(keys=keys, args=args))
+        """Every entry is charged to its counter's current window on the server (the only
+        live one), whose key is passed; a wrong guess of the server's clock is retried."""
+        now_s = self.primary.server_now_s()
+        ledger = self.primary.ledger
+        on = op.ledger is not None and ledger.enabled
+        fields = op.ledger or ("", "", "", "completed", 0, 0, "")
+        for _ in range(WINDOW_RETRIES + 1):
+            keys = [op.key]
+            args: list[Any] = [RECORD_TTL_S, windows.EXPIRY_MARGIN_S, 1 if on else 0,
+                               ledger.max_len, ledger.retention_s * 1000, *fields]  # fmt: skip
+            for prefix, window_s, start, amount in op.entries:
+                current = windows.window_start(now_s, window_s)
+                keys.append(window_key(prefix, current))
+                args += (window_s, current, start, amount)
+            keys.append(usage_stream_key(op.key))
+            reply = await self.primary._call("absorb", self._absorb_script(keys=keys, args=args))
+            if int(reply[0]) != 2:
+                return reply
+            self.primary.window_retries += 1
+            now_s = int(self.primary.learn_clock(reply[2], reply[3]))
+        raise WrongWindow("quota absorb: window keys kept missing the server's clock")
 
     # -- queue -----------------------------------------------------------------------------
 
@@ -502,7 +589,11 @@ class ResilientQuotaBackend:
 
     async def _apply(self, op: _Op) -> None:
         if op.kind == "settle":
-            await self._guarded(lambda: self.primary.settle(op.key, op.counters, op.used))
+            await self._guarded(
+                lambda: self.primary.settle(
+                    op.key, op.counters, op.used, reason=op.reason, output_tokens=op.output_tokens
+                )
+            )
         elif op.kind == "cancel":
             await self._guarded(lambda: self.primary.cancel(op.key, op.counters, op.ttl_s))
         else:

@@ -45,7 +45,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from extproc.quota.base import SETTLED_TTL_S
+from extproc.quota.base import SETTLED_TTL_S, LedgerSettings
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.quota.resp import Script
 
@@ -414,6 +414,7 @@ def backend_for(
     command_timeout_s: float | None = None,
     owner_id: str | None = None,
     settled_ttl_s: int = SETTLED_TTL_S,
+    ledger: LedgerSettings | None = None,
     pool_timeout_s: float | None = None,
     connection_retries: int | None = None,
     **client_options: Any,
@@ -434,4 +435,5 @@ def backend_for(
         command_timeout_s=command_timeout_s,
         owner_id=owner_id,
         settled_ttl_s=settled_ttl_s,
+        ledger=ledger,
     )

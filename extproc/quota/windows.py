@@ -7,7 +7,13 @@ suite holds the two together).
 
 from __future__ import annotations
 
-from extproc.quota.base import AdmitRequest, Counter, CounterKind, CounterState
+from extproc.quota.base import (
+    SETTLE_REASONS,
+    AdmitRequest,
+    Counter,
+    CounterKind,
+    CounterState,
+)
 
 # Counter keys expire this long after their window ends: late refunds are skipped by
 # clock anyway, the margin only absorbs clock skew between Redis replicas.
@@ -63,3 +69,12 @@ def check_cancel(tombstone_ttl_s: int, counters: tuple[Counter, ...]) -> None:
     if tombstone_ttl_s <= 0:
         raise ValueError(f"tombstone_ttl_s must be > 0, got {tombstone_ttl_s}")
     check_counters(counters)
+
+
+def check_reason(reason: str, output_tokens: int | None, used: int) -> None:
+    if reason not in SETTLE_REASONS:
+        raise ValueError(
+            f"unknown settle reason {reason!r}; expected one of {sorted(SETTLE_REASONS)}"
+        )
+    if output_tokens is not None and not 0 <= output_tokens <= used:
+        raise ValueError(f"need 0 <= output_tokens <= used, got {output_tokens} and {used}")

@@ -43,6 +43,10 @@ class Harness:
         """Let time pass into the next window of ``window_s``; returns its start."""
         raise NotImplementedError
 
+    async def ledger(self, stream_key: str) -> list[tuple[str, dict[str, str]]]:
+        """A tenant's usage ledger entries (``keys.usage_stream_key``), oldest first."""
+        raise NotImplementedError
+
     async def total(self, counter: Counter) -> int:
         return sum((await self.windows(counter)).values())
 
@@ -74,6 +78,9 @@ class MemoryHarness(Harness):
             if k.startswith(head) and k[len(head) :].isdigit()
         }
 
+    async def ledger(self, stream_key: str) -> list[tuple[str, dict[str, str]]]:
+        return self.memory.ledger_entries(stream_key)
+
     async def advance_to_next_window(self, window_s: int) -> int:
         start = (math.floor(self.clock.now) // window_s + 1) * window_s
         self.clock.now = start + 0.05
@@ -99,6 +106,9 @@ class RedisHarness(Harness):
             if key.startswith(head) and key[len(head) :].isdigit():
                 found[int(key[len(head) :])] = int(await self.plain.get(key) or 0)
         return found
+
+    async def ledger(self, stream_key: str) -> list[tuple[str, dict[str, str]]]:
+        return list(await self.plain.xrange(stream_key))
 
     async def advance_to_next_window(self, window_s: int) -> int:
         now = await self.now()

@@ -177,18 +177,20 @@ async def test_registration_sends_opened_keys_and_removes_settled_ones(
     for key in (k1, k2, brief):
         await a.admit(admission(key))
     await a.settle(brief, (TPM,), used=10)  # admitted and settled between two beats
-    await a.admit(AdmitRequest(new_key(), (RPM,), (), 0))  # holds no tokens: never settled
+    rpm_only = new_key()
+    await a.admit(AdmitRequest(rpm_only, (RPM,), (), 0))  # settled too: the ledger records it
 
     await plain_redis.config_resetstat()
     await me.beat()
     stats = await plain_redis.info("commandstats")
     # One pipeline: heartbeat (EXISTS + SET), index, owner set (SADD, EXPIRE).
     assert command_calls(stats) == {"exists": 1, "set": 1, "sadd": 2, "expire": 1}
-    assert await plain_redis.smembers(owned) == {k1, k2}
+    assert await plain_redis.smembers(owned) == {k1, k2, rpm_only}
     assert await plain_redis.sismember(keys.processor_index_key(), "proc-a")
     assert 0 < await plain_redis.pttl(keys.heartbeat_key("proc-a")) <= 30_000
 
     await a.settle(k1, (TPM,), used=10)
+    await a.settle(rpm_only, (), used=3)
     await me.beat()
     assert await plain_redis.smembers(owned) == {k2}
     assert len(me.open) == 1 and k2 in me.open

@@ -13,7 +13,7 @@ from redis.exceptions import AuthenticationError
 
 from extproc.quota.base import AdmitRequest, Counter, QuotaTimeout, QuotaUnavailable
 from extproc.quota.factory import backend_from_url
-from extproc.quota.keys import counter_key, reservation_key
+from extproc.quota.keys import counter_key, reservation_key, usage_stream_key
 from extproc.quota.memory_backend import MemoryQuotaBackend
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.quota.windows import EXPIRY_MARGIN_S
@@ -115,7 +115,8 @@ async def test_all_keys_of_a_request_land_in_one_cluster_slot(
     await backend.settle(key, counters, used=10)
 
     keys = await plain.keys("*")
-    assert len(keys) == 5
+    assert len(keys) == 6  # 4 windows, the record, the usage ledger (no open request left)
+    assert usage_stream_key(key) in keys
     assert len({key_slot(k.encode()) for k in keys}) == 1
 
 

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,8 @@ import redis.asyncio as aioredis
 from extproc.admission.policy import PolicyBook
 from extproc.config import parse_config
 from extproc.metrics import Metrics
-from extproc.quota.base import AdmitRequest, Counter, QuotaUnavailable
-from extproc.quota.keys import counter_key, reservation_key
+from extproc.quota.base import AdmitRequest, Counter, QuotaUnavailable, UsageTags
+from extproc.quota.keys import counter_key, reservation_key, usage_stream_key
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.quota.resilient import CircuitOpen, ResilientQuotaBackend, absorb_key
 from tests.support.redis_server import RedisServer
@@ -457,3 +458,61 @@ def test_a_fail_open_plan_puts_a_rounded_up_share_of_each_limit_on_its_counters(
         assert request.fail_open is fails_open
     normal = config.normalised["tenants"]["half"]["plan"]
     assert (normal["on_backend_failure"], normal["fail_open_fraction"]) == ("open", 0.5)
+
+
+@pytest.mark.timeout(60)
+async def test_what_is_served_locally_gets_its_ledger_entry_so_counters_equal_the_ledger(
+    server: RedisServer, plain: aioredis.Redis
+) -> None:
+    backend = wrapped(server.url, failures=100)
+    tags = UsageTags("open-plan", "m", "client-9", 100)
+    split = replace(open_request("split", tokens=100), usage=tags)
+    alone = replace(open_request("alone", tokens=60), usage=tags)
+    try:
+        assert (await backend.admit(split)).admitted
+        assert not (await backend.reserve(split.reservation_key, 1, (OPEN_TPM,), 32)).local
+        with paused(server):
+            # A lease and a whole admission served from the allowance while Redis is away.
+            grant = await backend.reserve(split.reservation_key, 2, (OPEN_TPM,), 32)
+            assert grant.local
+            assert (await backend.admit(alone)).local
+        used, output = 100 + 32 + 32 + 5, 69
+        await backend.settle(
+            split.reservation_key, (OPEN_TPM,), used, reason="cutoff", output_tokens=output
+        )
+        await backend.settle(
+            alone.reservation_key, (OPEN_TPM,), 75, reason="disconnect", output_tokens=15
+        )
+        assert await until(lambda: backend.pending == 0)
+
+        stream = usage_stream_key(split.reservation_key)
+        entries = [fields for _, fields in await plain.xrange(stream)]
+        net: dict[str, int] = {}
+        for fields in entries:
+            for part in filter(None, fields["windows"].split(";")):
+                kind, window_s, start, n = part.split(":")
+                assert (kind, int(window_s)) == ("tpm", WINDOW_S)
+                net[f"{OPEN_TPM.key}:{start}"] = net.get(f"{OPEN_TPM.key}:{start}", 0) + int(n)
+        stored = {
+            k: int(await plain.get(k) or 0) async for k in plain.scan_iter(OPEN_TPM.key + ":*")
+        }
+        assert {k: v for k, v in net.items() if v} == {k: v for k, v in stored.items() if v}
+        assert sum(stored.values()) == used + 75
+
+        by_request: dict[str, list[dict[str, str]]] = {}
+        for fields in entries:
+            by_request.setdefault(fields["request_id"], []).append(fields)
+        # Redis's part and the absorbed part of the split stream; the prompt counted first.
+        parts = by_request["split"]
+        assert len(parts) == 2 and {p["reason"] for p in parts} == {"cutoff"}
+        assert sum(int(p["used"]) for p in parts) == used
+        assert sum(int(p["output_tokens"]) for p in parts) == output
+        assert sum(int(p["prompt_tokens"]) for p in parts) == used - output
+        # The local admission: its absorbed usage, and (if Redis ran the paused admission)
+        # the cancel that gave back what Redis had charged for it.
+        served = [p for p in by_request["alone"] if p["reason"] == "disconnect"]
+        assert len(served) == 1 and (served[0]["used"], served[0]["output_tokens"]) == ("75", "15")
+        assert {p["reason"] for p in by_request["alone"]} <= {"disconnect", "cancelled"}
+        assert all(p["plan"] == "open-plan" and p["tenant"] == "open" for p in entries)
+    finally:
+        await backend.close()

@@ -1,11 +1,22 @@
--- Charge tokens served while Redis was away into their windows, once per record key.
+-- Charge tokens served while Redis was away into their windows, once per record key, and
+-- append the usage ledger entry of what was charged, in the same step.
 --
--- KEYS[1]    absorb record (hash) of one reservation
--- KEYS[2..]  one counter prefix per entry
--- ARGV       record_ttl_s, margin_s, then window_s, window_start, amount for each entry
--- Reply      {already (0|1), "live,moved"}: tokens charged to the window they were served
---            in, and tokens whose window had ended (or lies ahead of this server's clock),
---            charged to the current window instead.
+-- KEYS[1]      absorb record (hash) of one reservation (<reservation key>:absorb)
+-- KEYS[2..m+1] one key per entry: the current window of the entry's counter
+--              (prefix:window_start); several entries may name the same key
+-- KEYS[m+2]    the tenant's usage ledger (a Stream)
+-- ARGV         record_ttl_s, margin_s, ledger (1|0), max_len (0: none), retention_ms
+--              (0: none), plan, model, client_request_id, reason, prompt_tokens,
+--              output_tokens, admitted_at_us, then window_s, current_start, served_start,
+--              amount for each entry
+-- Reply        {already (0|1), "live,moved"[, now_s, now_us]}: tokens charged to the window
+--              they were served in, and tokens whose window had ended (or lies ahead of this
+--              server's clock), charged to the current window instead; already = 2: a
+--              passed current_start is not this server's (nothing done; TIME follows).
+--
+-- A fixed window's only live window is the current one, so every entry is charged to the
+-- key in KEYS: served in it (live) or in an older or future one (moved). The ledger entry
+-- (ledger=1: the reservation's token usage was served here) names those current windows.
 local rkey = KEYS[1]
 local done = redis.call('HGET', rkey, 'st')
 if done then
@@ -14,26 +25,77 @@ end
 local t = redis.call('TIME')
 local now_s = tonumber(t[1])
 local margin = tonumber(ARGV[2])
-local live, moved = 0, 0
-for i = 2, #KEYS do
-  local base = 3 + (i - 2) * 3
+local m = #KEYS - 2
+for i = 2, m + 1 do
+  local base = 13 + (i - 2) * 4
   local window = tonumber(ARGV[base])
-  local start = tonumber(ARGV[base + 1])
-  local amount = tonumber(ARGV[base + 2])
-  local current = now_s - (now_s % window)
-  if start + window <= now_s or start > current then
-    start = current
-    moved = moved + amount
-  else
+  if tonumber(ARGV[base + 1]) ~= now_s - (now_s % window) then
+    return {2, '', t[1], t[2]}
+  end
+end
+local live, moved = 0, 0
+local net, order = {}, {}
+for i = 2, m + 1 do
+  local base = 13 + (i - 2) * 4
+  local window = tonumber(ARGV[base])
+  local current = tonumber(ARGV[base + 1])
+  local amount = tonumber(ARGV[base + 3])
+  if tonumber(ARGV[base + 2]) == current then
     live = live + amount
+  else
+    moved = moved + amount
   end
-  local key = KEYS[i] .. ':' .. string.format('%d', start)
-  local v = redis.call('INCRBY', key, amount)
+  local v = redis.call('INCRBY', KEYS[i], amount)
   if v == amount then
-    redis.call('PEXPIREAT', key, (start + window + margin) * 1000)
+    redis.call('PEXPIREAT', KEYS[i], (current + window + margin) * 1000)
   end
+  if not net[KEYS[i]] then order[#order + 1] = KEYS[i] end
+  net[KEYS[i]] = (net[KEYS[i]] or 0) + amount
 end
 local summary = string.format('%d,%d', live, moved)
 redis.call('HSET', rkey, 'st', summary)
 redis.call('EXPIRE', rkey, tonumber(ARGV[1]))
+
+if ARGV[3] == '1' then
+  local rank = {tpm = 1, tenant_tpm = 2, daily = 3}
+  local entries = {}
+  for _, key in ipairs(order) do
+    local kind, window, start = string.match(key, ':c:([%w_]+):[^:]*:(%d+):(%d+)$')
+    if rank[kind] then
+      entries[#entries + 1] = {rank[kind], tonumber(start),
+        string.format('%s:%s:%s:%d', kind, window, start, net[key])}
+    end
+  end
+  table.sort(entries, function(a, b)
+    if a[1] ~= b[1] then return a[1] < b[1] end
+    return a[2] < b[2]
+  end)
+  local windows = {}
+  for i, e in ipairs(entries) do windows[i] = e[3] end
+  local function decode(s)
+    return (string.gsub(s or '', '%%(%x%x)', function(h) return string.char(tonumber(h, 16)) end))
+  end
+  local used = tonumber(ARGV[10]) + tonumber(ARGV[11])
+  local stream = KEYS[m + 2]
+  local add = {'XADD', stream}
+  local max_len = tonumber(ARGV[4])
+  if max_len > 0 then
+    add[#add + 1] = 'MAXLEN'
+    add[#add + 1] = '~'
+    add[#add + 1] = max_len
+  end
+  local fields = {'*',
+    'tenant', decode(string.match(rkey, '{([^}]*)}')), 'plan', ARGV[6], 'model', ARGV[7],
+    'request_id', decode(string.match(rkey, ':r:(.*):absorb$')), 'client_request_id', ARGV[8],
+    'prompt_tokens', ARGV[10], 'output_tokens', ARGV[11], 'reserved', used, 'used', used,
+    'refunded', 0, 'windows', table.concat(windows, ';'), 'reason', ARGV[9],
+    'admitted_at_us', ARGV[12], 'settled_at_us', t[1] .. string.format('%06d', tonumber(t[2]))}
+  for _, x in ipairs(fields) do add[#add + 1] = x end
+  redis.call(unpack(add))
+  local retention_ms = tonumber(ARGV[5])
+  if retention_ms > 0 then
+    local now_ms = now_s * 1000 + math.floor(tonumber(t[2]) / 1000)
+    redis.call('XTRIM', stream, 'MINID', '~', string.format('%d', now_ms - retention_ms))
+  end
+end
 return {0, summary}

@@ -1,13 +1,18 @@
 -- Lease batch: add tokens to an admitted, unsettled reservation, once per seq.
 --
--- KEYS[1]    reservation record (hash)
--- KEYS[2..]  token counter prefixes
--- KEYS[last] the tenant's count of admitted, unsettled requests
--- ARGV       seq, amount, minimum, margin_s, then limit, window_s for each counter
--- Reply      {status, granted, now_s, now_us, value_1, window_start_1, ..., others_open}
---            status: granted | refused | replayed | not_admitted | settled
---            others_open: the tenant's other open requests (their unused leases come
---            back when they settle, so a refusal while they hold some may not be final)
+-- KEYS[1]      reservation record (hash)
+-- KEYS[2..n+1] the current window of each token counter (prefix:window_start)
+-- KEYS[n+2]    the tenant's count of admitted, unsettled requests
+-- ARGV         seq, amount, minimum, then limit, window_s for each counter (its window
+--              start is the key's last part)
+-- Constants    MARGIN, prepended by the backend
+-- Reply        {status, granted, now_s, now_us, value_1, window_start_1, ..., others_open}
+--              status: granted | refused | replayed | not_admitted | settled | wrong_window
+--              others_open: the tenant's other open requests (their unused leases come
+--              back when they settle, so a refusal while they hold some may not be final)
+--
+-- wrong_window: a passed window start is not this server's current one (TIME decides);
+-- nothing is charged and the caller retries with the right keys.
 --
 -- The grant is min(amount, smallest room left over the counters), or 0 when that is below
 -- minimum: handing out what is left lets concurrent streams use up a budget instead of
@@ -28,18 +33,22 @@ end
 local seq_field = 'q' .. ARGV[1]
 local amount = tonumber(ARGV[2])
 local minimum = tonumber(ARGV[3])
-local margin = tonumber(ARGV[4])
 local n = #KEYS - 2
 
-local keys, starts, values, windows = {}, {}, {}, {}
+local starts, values, windows = {}, {}, {}
+for i = 1, n do
+  local window = tonumber(ARGV[3 + 2 * i])
+  local start = now_s - (now_s % window)
+  if tonumber(string.match(KEYS[i + 1], '(%d+)$')) ~= start then
+    return {'wrong_window', 0, t[1], t[2]}
+  end
+  windows[i] = window
+  starts[i] = start
+end
 local granted = amount
 for i = 1, n do
-  local limit = tonumber(ARGV[3 + 2 * i])
-  local window = tonumber(ARGV[4 + 2 * i])
-  windows[i] = window
-  starts[i] = now_s - (now_s % window)
-  keys[i] = KEYS[i + 1] .. ':' .. string.format('%d', starts[i])
-  values[i] = tonumber(redis.call('GET', keys[i]) or '0')
+  local limit = tonumber(ARGV[2 + 2 * i])
+  values[i] = tonumber(redis.call('GET', KEYS[i + 1]) or '0')
   if limit - values[i] < granted then granted = limit - values[i] end
 end
 
@@ -66,12 +75,13 @@ if granted < minimum or granted <= 0 then
 end
 
 for i = 1, n do
-  local v = redis.call('INCRBY', keys[i], granted)
+  local key = KEYS[i + 1]
+  local v = redis.call('INCRBY', key, granted)
   if v == granted then
-    redis.call('PEXPIREAT', keys[i], (starts[i] + windows[i] + margin) * 1000)
+    redis.call('PEXPIREAT', key, (starts[i] + windows[i] + MARGIN) * 1000)
   end
   values[i] = v
-  redis.call('HINCRBY', rkey, 'k' .. keys[i], granted)
+  redis.call('HINCRBY', rkey, 'k' .. key, granted)
 end
 redis.call('HINCRBY', rkey, 'res', granted)
 redis.call('HSET', rkey, seq_field, granted)

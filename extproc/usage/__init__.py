@@ -1,0 +1,1 @@
+"""The usage ledger's tools: ``extproc usage export`` and ``extproc usage summary``."""

@@ -1,0 +1,253 @@
+"""Every key a quota script touches is declared in KEYS; window keys passed by the caller
+are checked against Redis TIME and retried on a miss; the ledger's retention bounds.
+
+Redis itself does not enforce KEYS for keys of the script's own slot: even in cluster mode
+it only refuses a key of another slot (``#!lua`` flags change nothing there). So the scripts
+run here under a ``redis.call`` wrapper that fails the script on any key not in KEYS; the
+wrapper's own test proves it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from extproc.quota.base import AdmitRequest, Counter, LedgerSettings, UsageTags
+from extproc.quota.keys import counter_key, reservation_key, usage_stream_key
+from extproc.quota.redis_backend import RedisQuotaBackend, load_lua
+from extproc.quota.resilient import ResilientQuotaBackend, _Op, absorb_key
+from extproc.quota.resp import Script
+from tests.support.redis_server import RedisServer
+
+# Shadows the global ``redis`` for the script below it: every command's keys must be in
+# KEYS (the first argument; every argument for DEL). TIME takes no key.
+STRICT = """
+local __declared = {}
+for _, k in ipairs(KEYS) do __declared[k] = true end
+local __real = redis
+local redis = setmetatable({}, {__index = __real})
+redis.call = function(command, ...)
+  local args = {...}
+  local name = string.upper(command)
+  local keys = {}
+  if name == 'DEL' then keys = args elseif name ~= 'TIME' then keys = {args[1]} end
+  for _, key in ipairs(keys) do
+    if not __declared[key] then
+      error('undeclared key ' .. tostring(key) .. ' in ' .. name)
+    end
+  end
+  return __real.call(command, ...)
+end
+"""
+
+WINDOW = 60
+RPM = Counter("rpm", counter_key("acme", "rpm", "m", WINDOW), 1000, WINDOW)
+TPM = Counter("tpm", counter_key("acme", "tpm", "m", WINDOW), 1000, WINDOW)
+TENANT_TPM = Counter("tenant_tpm", counter_key("acme", "tenant_tpm", None, 2), 100_000, 2)
+DAILY = Counter("daily", counter_key("acme", "daily", None, 86400), 100_000, 86400)
+TOKENS = (TPM, TENANT_TPM, DAILY)
+
+
+def strict(backend: RedisQuotaBackend) -> RedisQuotaBackend:
+    backend._admit = Script(STRICT + backend.script_source("admit.lua"))
+    backend._reserve = Script(STRICT + backend.script_source("reserve.lua"))
+    backend._settle = Script(STRICT + backend.script_source("settle.lua"))
+    return backend
+
+
+def admission(request_id: str, tokens: int = 100, **kwargs: object) -> AdmitRequest:
+    return AdmitRequest(
+        reservation_key("acme", request_id),
+        (RPM,),
+        TOKENS,
+        tokens,
+        usage=UsageTags("pro", "m", "c-1", 40),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+async def plain(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis(port=redis_server.port, decode_responses=True)
+    await client.flushall()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def backend(redis_server: RedisServer) -> AsyncIterator[RedisQuotaBackend]:
+    b = strict(RedisQuotaBackend.from_url(redis_server.url, owner_id="proc-a"))
+    yield b
+    await b.close()
+
+
+async def server_now(client: aioredis.Redis) -> float:
+    seconds, micros = await client.time()
+    return seconds + micros / 1_000_000
+
+
+async def room(client: aioredis.Redis, window_s: int, need_s: float) -> None:
+    """Wait, if need be, until ``need_s`` seconds remain in the current window."""
+    now = await server_now(client)
+    if window_s - now % window_s < need_s:
+        await asyncio.sleep(window_s - now % window_s + 0.05)
+
+
+async def test_the_strict_wrapper_fails_a_script_that_touches_an_undeclared_key(
+    backend: RedisQuotaBackend,
+) -> None:
+    sneaky = Script(STRICT + "return redis.call('GET', KEYS[1] .. ':next')")
+    with pytest.raises(Exception, match="undeclared key"):
+        await backend._scripts.run_script(sneaky, ["tq:{acme}:x"], [])
+    fine = Script(STRICT + "return redis.call('INCRBY', KEYS[1], 2)")
+    assert await backend._scripts.run_script(fine, ["tq:{acme}:x"], []) == 2
+
+
+async def test_every_path_of_every_script_touches_only_declared_keys(
+    backend: RedisQuotaBackend, plain: aioredis.Redis, redis_server: RedisServer
+) -> None:
+    await room(plain, WINDOW, 10)
+    # admit: admitted, replayed, refused, soft retry, cancelled, tombstone
+    assert (await backend.admit(admission("a"))).admitted
+    assert (await backend.admit(admission("a"))).replayed
+    assert not (await backend.admit(admission("big", tokens=5000))).admitted
+    assert (await backend.admit(admission("soft", tokens=950, soft_refusal=True))).retry_soon
+    await backend.cancel(reservation_key("acme", "gone"), TOKENS)
+    assert (await backend.admit(admission("gone"))).cancelled
+    # reserve: granted, replayed, refused, not admitted, across a boundary of TENANT_TPM
+    assert (await backend.reserve(admission("a").reservation_key, 1, TOKENS, 32)).granted
+    assert (await backend.reserve(admission("a").reservation_key, 1, TOKENS, 32)).replayed
+    assert not (
+        await backend.reserve(admission("a").reservation_key, 2, TOKENS, 2000, 2000)
+    ).granted
+    assert not (await backend.reserve(admission("big").reservation_key, 1, TOKENS, 5)).granted
+    await asyncio.sleep(2.1)  # TENANT_TPM's window ends: its charge is in a past window now
+    assert (await backend.reserve(admission("a").reservation_key, 3, TOKENS, 16)).granted
+    # settle: refund, past windows named only as strings; over the reservation; replays
+    first = await backend.settle(admission("a").reservation_key, TOKENS, 50, reason="cutoff")
+    assert not first.already_settled
+    assert (await backend.settle(admission("a").reservation_key, TOKENS, 50)).already_settled
+    assert (await backend.admit(admission("over"))).admitted
+    await backend.settle(admission("over").reservation_key, TOKENS, 180, output_tokens=100)
+    await backend.settle(admission("big").reservation_key, TOKENS, 10)
+    # cancel of an admitted record; orphan settlement by a peer
+    assert (await backend.admit(admission("lost"))).admitted
+    await backend.cancel(admission("lost").reservation_key, TOKENS)
+    assert (await backend.admit(admission("orphan"))).admitted
+    status, _ = await backend.settle_orphan(admission("orphan").reservation_key, "proc-a")
+    assert status == "settled"
+    assert (await backend.settle_orphan(admission("orphan").reservation_key, "proc-a"))[
+        0
+    ] == "already_settled"
+    # RPM only, and the ledger's retention (XADD MAXLEN ~, XTRIM MINID ~)
+    backend.ledger = LedgerSettings(max_len=5, retention_s=3600)
+    strict(backend)  # the ledger's settings are constants of the settle script: wrap it again
+    rpm_only = AdmitRequest(reservation_key("acme", "rpm"), (RPM,), (), 10)
+    assert (await backend.admit(rpm_only)).admitted
+    await backend.settle(rpm_only.reservation_key, (), 10)
+
+    # absorb (the fail-open reconciliation), through the resilient wrapper's own call
+    resilient = ResilientQuotaBackend(backend)
+    resilient._absorb_script = backend.client.register_script(STRICT + load_lua("absorb.lua"))
+    now_s = math.floor(await server_now(plain))
+    entries = tuple(
+        (c.key, c.window_s, now_s - now_s % c.window_s - shift * c.window_s, 7)
+        for c in (RPM, *TOKENS)
+        for shift in (0, 1)
+    )
+    op = _Op("absorb", absorb_key(admission("local").reservation_key), entries=entries)
+    assert (await resilient._absorb_call(op))[0] == 0
+    assert (await resilient._absorb_call(op))[0] == 1
+
+    stream = await plain.xrange(usage_stream_key(admission("a").reservation_key))
+    assert [f["reason"] for _, f in stream] == [
+        "cutoff",
+        "completed",
+        "cancelled",
+        "orphaned",
+        "completed",
+    ]
+
+
+async def test_a_wrong_clock_estimate_costs_one_retry_and_charges_the_right_window(
+    backend: RedisQuotaBackend, plain: aioredis.Redis
+) -> None:
+    await room(plain, WINDOW, 10)
+    key = admission("w").reservation_key
+
+    def wrong(by_s: float) -> None:
+        backend.clock_offset_s = by_s
+
+    async def current() -> int:
+        now = math.floor(await server_now(plain))
+        return now - now % WINDOW
+
+    # Into the previous window: every call passes keys the server does not hold as current.
+    now = await server_now(plain)
+    wrong(-(now % WINDOW) - 1 - (time.time() - now))
+    assert (await backend.admit(admission("w"))).admitted
+    assert backend.window_retries == 1
+    assert abs(backend.clock_offset_s) < 1  # learned from the reply
+    wrong(WINDOW + 5)  # into the next one
+    assert (await backend.reserve(key, 1, TOKENS, 30)).granted == 30
+    assert backend.window_retries == 2
+    wrong(-WINDOW)
+    settlement = await backend.settle(key, TOKENS, 100)
+    assert backend.window_retries == 3
+    assert settlement.refunded == 30
+
+    start = await current()
+    assert await plain.get(f"{TPM.key}:{start}") == "100"
+    assert await plain.get(f"{RPM.key}:{start}") == "1"
+    assert await plain.keys(f"{TPM.key}:*") == [f"{TPM.key}:{start}"]
+    [(_, fields)] = await plain.xrange(usage_stream_key(key))
+    assert fields["windows"].split(";")[0] == f"tpm:{WINDOW}:{start}:100"
+
+
+async def test_max_len_bounds_the_ledger_to_about_its_length(
+    backend: RedisQuotaBackend, plain: aioredis.Redis
+) -> None:
+    backend.ledger = LedgerSettings(max_len=20, retention_s=0)
+    node = int((await plain.config_get("stream-node-max-entries"))["stream-node-max-entries"])
+    for i in range(300):
+        req = admission(f"m{i}", tokens=1)
+        await backend.admit(req)
+        await backend.settle(req.reservation_key, TOKENS, 1)
+    stream = usage_stream_key(admission("m0").reservation_key)
+    length = await plain.xlen(stream)
+    # ``MAXLEN ~`` drops whole stream nodes only: between max_len and max_len + one node.
+    assert 20 <= length <= 20 + node
+    [(_, newest)] = await plain.xrevrange(stream, count=1)
+    assert newest["request_id"] == "m299"
+
+
+async def test_retention_drops_entries_older_than_retention_s(
+    backend: RedisQuotaBackend, plain: aioredis.Redis
+) -> None:
+    backend.ledger = LedgerSettings(max_len=0, retention_s=1)
+    await plain.config_set("stream-node-max-entries", 2)  # whole nodes go: make them small
+    try:
+        for i in range(6):
+            req = admission(f"old{i}", tokens=1)
+            await backend.admit(req)
+            await backend.settle(req.reservation_key, TOKENS, 1)
+        stream = usage_stream_key(admission("old0").reservation_key)
+        [(last_old, _)] = await plain.xrevrange(stream, count=1)
+        old_ms = int(last_old.split("-")[0])
+        while (await server_now(plain)) * 1000 < old_ms + 1000 + 50:
+            await asyncio.sleep(0.1)
+        for i in range(3):
+            req = admission(f"new{i}", tokens=1)
+            await backend.admit(req)
+            await backend.settle(req.reservation_key, TOKENS, 1)
+        left = [f["request_id"] for _, f in await plain.xrange(stream)]
+    finally:
+        await plain.config_set("stream-node-max-entries", 100)
+    assert left[-3:] == ["new0", "new1", "new2"]
+    # Old entries sharing a node with a newer one may stay: at most one node's worth.
+    assert len([r for r in left if r.startswith("old")]) <= 1
