@@ -76,7 +76,7 @@ from benchmarks.rig import (
     bootstrap,
     upstream_sent_at,
 )
-from benchmarks.timed_sse_client import TimedStream, chat_request, timed_stream
+from loadlab.client import TimedStream, chat_request, timed_stream
 from stack.envoy import EnvoyPorts
 from tests.support.gateway import Envoy, Processor, grpc_serving, key_hash, write_config
 from tests.support.procs import ManagedProcess, free_port

@@ -80,7 +80,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report import fmt, percentile, ratio, table, verdict
-from benchmarks.rig import (
+from loadlab.rig import (
     BENCH_KEY,
     MODEL,
     cpu_seconds,
@@ -90,9 +90,9 @@ from benchmarks.rig import (
     upstream_sent_at,
     write_bench_config,
 )
-from benchmarks.timed_sse_client import TimedStream, chat_request, timed_stream
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
+from loadlab.client import TimedStream, chat_request, timed_stream
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
 
 TARGET_RATIO = 1.25  # per-chunk added latency, billing / no-op (issue 5)
 TARGET_SLOWDOWN = 1.1  # end-to-end p99 and gap p99, billing / Envoy alone (issue 10)
