@@ -25,6 +25,7 @@ TOKEN_EVENT_MARK = b'"delta":{"content":"'
 TEXT_EVENT_MARK = b'"text":"'
 STAMP_MARK = b'"ext_sent_ns":'
 USAGE_MARK = b'"completion_tokens":'
+PROMPT_MARK = b'"prompt_tokens":'
 ERROR_MARK = b'{"error":'
 
 
@@ -53,6 +54,7 @@ class TimedStream:
     arrivals_ns: list[int] = field(default_factory=list)  # time.time_ns(), per token event
     stamps_ns: list[int] = field(default_factory=list)  # the events' ext_sent_ns, if stamped
     completion_tokens: int | None = None  # from the stream's last usage event
+    prompt_tokens: int | None = None  # the same
     error_code: str | None = None  # an error event's code (e.g. a cut-off's)
     body: bytes = b""  # a non-streamed (error) response body, up to 4 KiB
 
@@ -165,6 +167,7 @@ class _TimedSseProtocol(asyncio.Protocol):
                 tokens = _int_after(event, USAGE_MARK)
                 if tokens is not None:
                     result.completion_tokens = tokens
+                    result.prompt_tokens = _int_after(event, PROMPT_MARK)
 
     def _finish(self) -> None:
         if not self.done.done():

@@ -97,7 +97,11 @@ class Processor:
                 break
             log_path = log_dir / f"extproc-{port}-{n}.log"  # a restart keeps the old log
         process = ManagedProcess(argv, log_path, cwd=ROOT, env=env)
-        process.wait_ready(lambda: grpc_serving(port), timeout_s=30)
+        try:
+            process.wait_ready(lambda: grpc_serving(port), timeout_s=30)
+        except BaseException:  # also Ctrl-C while waiting: never leave it running
+            process.stop()
+            raise
         return cls(process, port, metrics_port)
 
     def metrics(self) -> dict[str, float]:
@@ -176,7 +180,11 @@ class Envoy:
             except OSError:
                 return False
 
-        process.wait_ready(ready, timeout_s=30)
+        try:
+            process.wait_ready(ready, timeout_s=30)
+        except BaseException:
+            process.stop()
+            raise
         return cls(process, ports, config_path)
 
     def stop(self) -> int:

@@ -100,7 +100,11 @@ def start_noop_processor(log_dir: Path, cpus: str | None = None) -> tuple[Manage
     port = free_port()
     argv = [sys.executable, "-m", "loadlab.noop_processor", "--listen", f"127.0.0.1:{port}"]
     process = ManagedProcess(pinned(argv, cpus), log_dir / f"noop-{port}.log", cwd=ROOT)
-    process.wait_ready(lambda: grpc_serving(port), timeout_s=30)
+    try:
+        process.wait_ready(lambda: grpc_serving(port), timeout_s=30)
+    except BaseException:
+        process.stop()
+        raise
     return process, port
 
 

@@ -1,0 +1,121 @@
+"""PNG plots of a run (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from loadlab.engine import Phase  # noqa: E402
+
+
+def _cdf(ax: Any, samples: Sequence[float], label: str) -> None:
+    if not samples:
+        return
+    ordered = sorted(samples)
+    n = len(ordered)
+    ax.plot(ordered, [(i + 1) / n for i in range(n)], label=label, linewidth=1.2)
+
+
+def _level_label(mode: str) -> str:
+    return "concurrent streams" if mode == "closed" else "request rate (req/s)"
+
+
+def latency_cdfs(phases: Sequence[Phase], path: Path, metric: str) -> Path:
+    """One panel per level, one CDF line per route: chunk one-way latency or TTFT."""
+    levels = sorted({p.level for p in phases})
+    fig, axes = plt.subplots(1, len(levels), figsize=(4.2 * len(levels), 3.6), squeeze=False)
+    for ax, level in zip(axes[0], levels, strict=True):
+        for phase in (p for p in phases if p.level == level):
+            if metric == "chunk":
+                samples = [v / 1000 for r in phase.records for v in r.chunk_latency_us]
+            else:
+                samples = [r.ttft_ms for r in phase.records if r.ttft_ms is not None]
+            _cdf(ax, samples, phase.route)
+        ax.set_title(f"level {level:g}")
+        ax.set_xscale("log")
+        ax.set_xlabel("chunk one-way latency (ms)" if metric == "chunk" else "TTFT (ms)")
+        ax.set_ylabel("fraction ≤ x")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def by_level(
+    rows: Sequence[dict[str, Any]], path: Path, mode: str, metric: str, ylabel: str
+) -> Path:
+    """``metric`` (a dotted path into a summary row) against the level, one line per route."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for route in dict.fromkeys(r["route"] for r in rows):
+        points = []
+        for row in (r for r in rows if r["route"] == route):
+            value: Any = row
+            for part in metric.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value is not None:
+                points.append((row["level"], value))
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=route)
+    ax.set_xlabel(_level_label(mode))
+    ax.set_ylabel(ylabel)
+    ax.set_xscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def budget_use(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Tokens delivered per window against the budget, per processor route and level."""
+    fig, ax = plt.subplots(figsize=(7.0, 4.0))
+    budget = None
+    for row in rows:
+        if "budget" not in row:
+            continue
+        budget = row["budget"]["tpm"]
+        windows = row["budget"]["windows"]
+        if not windows:
+            continue
+        first = windows[0]["window_start_s"]
+        xs = [(w["window_start_s"] - first) for w in windows]
+        ys = [w["delivered_tokens"] for w in windows]
+        ax.step(xs, ys, where="post", marker=".", label=f"{row['route']} @ {row['level']:g}")
+    if budget is not None:
+        ax.axhline(budget, color="red", linestyle="--", label="budget per window")
+    ax.set_xlabel("window start, s after the phase's first window")
+    ax.set_ylabel("tokens delivered in the window")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_plots(
+    phases: Sequence[Phase], rows: Sequence[dict[str, Any]], folder: Path, mode: str, budget: bool
+) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    out = [
+        latency_cdfs(phases, folder / "chunk_latency_cdf.png", "chunk"),
+        latency_cdfs(phases, folder / "ttft_cdf.png", "ttft"),
+        by_level(rows, folder / "added_latency.png", mode, "added_chunk_latency_ms.p50",
+                 "added chunk latency p50 vs direct (ms)"),
+        by_level(rows, folder / "added_latency_p99.png", mode, "added_chunk_latency_ms.p99",
+                 "added chunk latency p99 vs direct (ms)"),
+        by_level(rows, folder / "output_throughput.png", mode, "output_throughput",
+                 "output tokens/s"),
+    ]  # fmt: skip
+    if budget:
+        out.append(budget_use(rows, folder / "budget_use.png"))
+    return out
