@@ -26,6 +26,8 @@ from loadlab.compare import CompareError, compare, print_compare, write_compare
 from loadlab.engine import Engine, Phase
 from loadlab.parts import Parts, Route
 from loadlab.plots import write_plots
+from loadlab.quota_watch import BudgetWatch
+from loadlab.rig import MODEL
 from loadlab.report import Live, machine_info, summary_table, write_results
 from loadlab.scenario import Scenario, ScenarioError, check, load_scenario, parse_scenario
 from loadlab.stats import summarize
@@ -134,7 +136,7 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
 
 
 async def _run(
-    scenario: Scenario, routes: Sequence[Route], live: Live
+    scenario: Scenario, routes: Sequence[Route], live: Live, redis_url: str
 ) -> list[Phase]:
     engine = Engine(scenario)
     for route in routes:
@@ -144,8 +146,17 @@ async def _run(
         for route in routes:  # every route in turn at one level: the same machine load
             unit = "streams" if scenario.mode == "closed" else "req/s"
             name = f"{route.name} @ {level:g} {unit}"
+            watch = None
+            if scenario.budget and route.tenants and redis_url.startswith("redis"):
+                watch = BudgetWatch(
+                    redis_url, route.tenants[level_index], MODEL, scenario.budget.window_s
+                )
+                watch.start()
             with live.phase(name, scenario.phase_requests(level)) as advance:
-                phases.append(await engine.run_phase(route, level_index, advance))
+                phase = await engine.run_phase(route, level_index, advance)
+            if watch is not None:
+                phase.charged = await watch.stop()
+            phases.append(phase)
     return phases
 
 
@@ -180,7 +191,7 @@ def run(argv: Sequence[str]) -> int:
                 f"load average {os.getloadavg()[0]:.1f}; results in {out}"
             )
             routes = parts.start()
-            phases = asyncio.run(_run(scenario, routes, live))
+            phases = asyncio.run(_run(scenario, routes, live, parts.redis_url))
     except (KeyboardInterrupt, _Terminated):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C mustn't skip the stops
         parts.stop()

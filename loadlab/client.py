@@ -57,6 +57,7 @@ class TimedStream:
     prompt_tokens: int | None = None  # the same
     error_code: str | None = None  # an error event's code (e.g. a cut-off's)
     body: bytes = b""  # a non-streamed (error) response body, up to 4 KiB
+    retry_after_s: float | None = None  # a refusal's Retry-After
 
 
 def chat_request(
@@ -107,6 +108,13 @@ class _TimedSseProtocol(asyncio.Protocol):
                 h.lower().startswith("transfer-encoding:") and "chunked" in h.lower()
                 for h in head[1:]
             )
+            for h in head[1:]:
+                name, _, value = h.partition(":")
+                if name.strip().lower() == "retry-after":
+                    try:
+                        self.result.retry_after_s = float(value.strip())
+                    except ValueError:
+                        pass
             self.headers_done = True
         if not self.chunked:
             self._feed_body(self.raw, now, now_ns)

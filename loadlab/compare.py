@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 METRICS = (
@@ -70,7 +71,7 @@ def write_compare(rows: list[dict[str, Any]], out: Path) -> tuple[Path, Path]:
 
 
 def print_compare(rows: list[dict[str, Any]], console: Console, a: Path, b: Path) -> None:
-    table = Table(title=f"B/A ratios — A: {a}  B: {b}")
+    table = Table(title=escape(f"B/A ratios — A: {a}  B: {b}"))
     shown = (
         "ttft_ms.p50", "ttft_ms.p99", "itl_ms.p99", "e2el_ms.p99", "chunk_latency_ms.p50",
         "chunk_latency_ms.p99", "output_throughput", "request_throughput",
@@ -80,7 +81,7 @@ def print_compare(rows: list[dict[str, Any]], console: Console, a: Path, b: Path
     for metric in shown:
         table.add_column(metric.replace("_ms", "").replace("_latency", ""), justify="right")
     for row in rows:
-        cells = [row["route"], f"{row['level']:g}"]
+        cells = [escape(row["route"]), f"{row['level']:g}"]
         for metric in shown:
             ratio = row[f"{metric}.ratio"]
             cells.append("-" if ratio is None else f"{ratio:.2f}×")

@@ -22,6 +22,9 @@ from loadlab.parts import Route
 from loadlab.rig import cpu_seconds
 from loadlab.scenario import Scenario
 
+# A refused closed-loop client waits its Retry-After, at most this long, before the next
+# request: a real client would, and a spinning one would only measure 429s per second.
+MAX_REFUSAL_PAUSE_S = 1.0
 WORD = "hello "  # one o200k token each: a prompt of n words is about n tokens
 # OpenAI's chat counting rule around one user message: 3 per message, 1 for the role, 3 to
 # prime the reply (when no usage event tells the prompt's count).
@@ -49,6 +52,7 @@ class Record:
     chunk_latency_us: list[float] = field(default_factory=list)  # arrival − ext_sent_ns
     chunk_arrival_ms: list[float] = field(default_factory=list)  # since start_ns
     error_code: str | None = None
+    retry_after_s: float | None = None
 
     def to_doc(self) -> dict[str, Any]:
         return {
@@ -69,6 +73,7 @@ class Record:
             "chunk_latency_us": self.chunk_latency_us,
             "chunk_arrival_ms": self.chunk_arrival_ms,
             "error_code": self.error_code,
+            "retry_after_s": self.retry_after_s,
         }
 
 
@@ -79,6 +84,7 @@ class Phase:
     records: list[Record]
     wall_s: float
     cpu_share: dict[str, float]  # role → CPU s per wall s (1.0 = one core); machine: all cores
+    charged: dict[int, int] | None = None  # window start → tokens the processor charged
 
 
 def _outcome(stream: TimedStream, asked: int, tokens_per_chunk: int) -> str:
@@ -140,6 +146,7 @@ def make_record(
         chunk_latency_us=[round((a - s) / 1e3, 1) for a, s in zip(arrivals, stamps, strict=True)],
         chunk_arrival_ms=[round((a - sent) / 1e6, 3) for a in arrivals],
         error_code=stream.error_code,
+        retry_after_s=stream.retry_after_s,
     )
 
 
@@ -244,7 +251,11 @@ class Engine:
                 while more(issued):
                     index, drawn = issued, self._payload(rng)
                     issued += 1
-                    done(await self._one(route, level_index, level, index, drawn))
+                    record = await self._one(route, level_index, level, index, drawn)
+                    done(record)
+                    if record.outcome == "refused":
+                        pause = record.retry_after_s if record.retry_after_s is not None else 1
+                        await asyncio.sleep(min(max(pause, 0.0), MAX_REFUSAL_PAUSE_S))
 
             await asyncio.gather(*(client() for _ in range(int(level))))
         else:

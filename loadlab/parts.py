@@ -38,10 +38,15 @@ class Route:
     path: str = CHAT_PATH
     # API key per level index, the warm-up's last ([]: none)
     keys: list[str] = field(default_factory=list)
+    tenants: list[str] = field(default_factory=list)  # the keys' tenants, when known
     pids: dict[str, int] = field(default_factory=dict)  # role → PID
 
     def api_key(self, level_index: int) -> str | None:
         return self.keys[level_index] if self.keys else None
+
+
+def tenant_id(v_index: int, level_index: int) -> str:
+    return f"t{v_index}-{level_index}"
 
 
 def tenant_key(variant: Variant, level_index: int) -> str:
@@ -64,7 +69,7 @@ def processor_config(path: Path, scenario: Scenario, redis_url: str) -> Path:
         }
         for l_index in range(len(scenario.levels) + 1):  # the last one: warm-up requests
             key = tenant_key(variant, l_index)
-            tenants[f"t{v_index}-{l_index}"] = {"plan": plan, "key_sha256": [key_hash(key)]}
+            tenants[tenant_id(v_index, l_index)] = {"plan": plan, "key_sha256": [key_hash(key)]}
     return write_config(
         path,
         {
@@ -182,11 +187,12 @@ class Parts:
         pids = {**common, "envoy": envoy.process.pid, "processor": processor.process.pid}
         return [
             Route(
-                v.name,
+                s.variant_route(v),
                 "127.0.0.1",
                 envoy.ports.listen,
                 keys=[tenant_key(v, i) for i in range(len(s.levels) + 1)],
+                tenants=[tenant_id(v_index, i) for i in range(len(s.levels) + 1)],
                 pids=dict(pids),
             )
-            for v in s.variants
+            for v_index, v in enumerate(s.variants)
         ]

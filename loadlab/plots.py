@@ -76,26 +76,29 @@ def by_level(
 
 
 def budget_use(rows: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Tokens delivered per window against the budget, per processor route and level."""
-    fig, ax = plt.subplots(figsize=(7.0, 4.0))
-    budget = None
-    for row in rows:
-        if "budget" not in row:
-            continue
-        budget = row["budget"]["tpm"]
+    """Per window of each processor phase: tokens charged (Redis) and delivered (client),
+    against the budget; time runs on from phase to phase."""
+    fig, ax = plt.subplots(figsize=(8.0, 4.2))
+    budget_rows = [r for r in rows if r.get("budget", {}).get("windows")]
+    origin = min((r["budget"]["windows"][0]["window_start_s"] for r in budget_rows), default=0)
+    for row in budget_rows:
         windows = row["budget"]["windows"]
-        if not windows:
-            continue
-        first = windows[0]["window_start_s"]
-        xs = [(w["window_start_s"] - first) for w in windows]
-        ys = [w["delivered_tokens"] for w in windows]
-        ax.step(xs, ys, where="post", marker=".", label=f"{row['route']} @ {row['level']:g}")
-    if budget is not None:
-        ax.axhline(budget, color="red", linestyle="--", label="budget per window")
-    ax.set_xlabel("window start, s after the phase's first window")
-    ax.set_ylabel("tokens delivered in the window")
+        xs = [w["window_start_s"] - origin for w in windows]
+        label = f"{row['route']} @ {row['level']:g}"
+        line = None
+        if windows[0]["charged_tokens"] is not None:
+            (line,) = ax.step(xs, [w["charged_tokens"] for w in windows], where="post",
+                              marker="o", label=f"{label}: charged")  # fmt: skip
+        ax.step(xs, [w["delivered_tokens"] for w in windows], where="post", marker=".",
+                linestyle=":", color=None if line is None else line.get_color(),
+                label=f"{label}: delivered")  # fmt: skip
+    if budget_rows:
+        tpm = budget_rows[0]["budget"]["tpm"]
+        ax.axhline(tpm, color="red", linestyle="--", label=f"budget per window ({tpm:,})")
+    ax.set_xlabel("window start (s since the first window)")
+    ax.set_ylabel("tokens in the window")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

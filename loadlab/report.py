@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -58,7 +59,7 @@ class Live:
 
     def note(self, text: str) -> None:
         if self._progress is not None:
-            self._progress.console.print(text)
+            self._progress.console.print(escape(text))
         else:
             print(text, file=sys.stderr, flush=True)
 
@@ -70,7 +71,7 @@ class Live:
         started = time.monotonic()
         task = None
         if self._progress is not None:
-            task = self._progress.add_task(name, total=total, status="")
+            task = self._progress.add_task(escape(name), total=total, status="")
 
         def advance(record: Record) -> None:
             nonlocal failed, done
@@ -107,7 +108,7 @@ def summary_table(rows: Sequence[dict[str, Any]], console: Console) -> None:
         table.add_column(h, justify="left" if h == "route" else "right")
     for r in rows:
         table.add_row(
-            r["route"], f"{r['level']:g}", f"{r['completed']}/{r['requests']}",
+            escape(r["route"]), f"{r['level']:g}", f"{r['completed']}/{r['requests']}",
             _fmt(r["ttft_ms"]["p50"]), _fmt(r["ttft_ms"]["p99"]),
             _fmt(r["itl_ms"]["p50"]), _fmt(r["itl_ms"]["p99"]), _fmt(r["tpot_ms"]["p50"]),
             _fmt(r["e2el_ms"]["p50"], 1), _fmt(r["e2el_ms"]["p99"], 1),
@@ -119,14 +120,18 @@ def summary_table(rows: Sequence[dict[str, Any]], console: Console) -> None:
     console.print(table)
     budgets = [r for r in rows if "budget" in r]
     if budgets:
-        t = Table(title="quota accuracy: tokens delivered per window vs the budget")
-        for h in ("route", "level", "windows", "max use", "over budget", "cut", "429"):
+        t = Table(title="quota accuracy: per window, tokens charged (Redis) vs the budget")
+        heads = ("route", "level", "windows", "max use", "over budget", "charged",
+                 "delivered", "charged − delivered", "cut", "429")  # fmt: skip
+        for h in heads:
             t.add_column(h, justify="left" if h == "route" else "right")
         for r in budgets:
             b = r["budget"]
             t.add_row(
-                r["route"], f"{r['level']:g}", str(len(b["windows"])),
+                escape(r["route"]), f"{r['level']:g}", str(len(b["windows"])),
                 _fmt(b["max_utilisation"], 3), str(b["windows_over_budget"]),
+                _fmt(b["charged_tokens"]), _fmt(b["delivered_tokens"]),
+                _fmt(b["charged_minus_delivered"]),
                 str(b["streams_cut"]), str(b["refused_429"]),
             )  # fmt: skip
         console.print(t)

@@ -66,7 +66,7 @@ class Variant:
 
     @property
     def name(self) -> str:
-        return f"processor[{self.charge_mode},b{self.batch_tokens}]"
+        return f"processor/{self.charge_mode}/b{self.batch_tokens}"
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,12 @@ class Scenario:
             return ("target",)
         out: list[str] = []
         for route in self.routes:
-            out += [v.name for v in self.variants] if route == "processor" else [route]
+            out += [self.variant_route(v) for v in self.variants] if route == "processor" else [route]
         return tuple(out)
+
+    def variant_route(self, variant: Variant) -> str:
+        """``processor`` when it runs with one configuration, else one name per variant."""
+        return "processor" if len(self.variants) == 1 else variant.name
 
     def phase_requests(self, level: float) -> int | None:
         """Requests per route at ``level`` (None: the phase runs for ``duration_s``)."""
@@ -248,7 +252,11 @@ def _lengths(value: object, key: str) -> Lengths:
     return Lengths("normal", mean=mean, std=std)
 
 
-TOP_KEYS = {"name", "description", "seed", "simulator", "routes", "processor", "load", "target"}
+# ``run``: what a results folder's scenario.yaml adds (versions, machine); ignored, so that
+# file can be run again as it is.
+TOP_KEYS = {
+    "name", "description", "seed", "simulator", "routes", "processor", "load", "target", "run",
+}  # fmt: skip
 
 
 def parse_scenario(doc: object, base: Scenario | None = None) -> Scenario:
@@ -317,7 +325,8 @@ def parse_scenario(doc: object, base: Scenario | None = None) -> Scenario:
         changes["mode"] = _choice(load["mode"], "load.mode", LOAD_MODES)
     if "levels" in load:
         changes["levels"] = tuple(
-            _float(x, "load.levels", positive=True) for x in _list(load["levels"], "load.levels")
+            _number(_float(x, "load.levels", positive=True))
+            for x in _list(load["levels"], "load.levels")
         )
     if "requests" in load:
         changes["requests"] = (
@@ -331,6 +340,11 @@ def parse_scenario(doc: object, base: Scenario | None = None) -> Scenario:
             if load["duration_s"] is None
             else _float(load["duration_s"], "load.duration_s", positive=True)
         )
+    # One of the two bounds a phase: giving one replaces the other.
+    if "duration_s" in load and "requests" not in load:
+        changes["requests"] = None
+    if "requests" in load and "duration_s" not in load:
+        changes["duration_s"] = None
     if "max_concurrency" in load:
         changes["max_concurrency"] = _int(load["max_concurrency"], "load.max_concurrency", 1)
     for name in ("prompt_tokens", "output_tokens"):

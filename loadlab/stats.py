@@ -62,6 +62,45 @@ def budget_windows(records: Sequence[Record], window_s: int) -> list[dict[str, A
     ]
 
 
+def budget_figures(phase: Phase, tpm: int, window_s: int) -> dict[str, Any]:
+    """Per window: what the processor charged (Redis) and what reached the client, against
+    the budget; and over the phase: streams cut, 429s, charged − delivered."""
+    delivered = {w["window_start_s"]: w["delivered_tokens"] for w in
+                 budget_windows(phase.records, window_s)}  # fmt: skip
+    charged = phase.charged or {}
+    windows = []
+    for start in sorted(set(delivered) | set(charged)):
+        used = charged.get(start) if phase.charged is not None else delivered.get(start, 0)
+        windows.append(
+            {
+                "window_start_s": start,
+                "charged_tokens": charged.get(start) if phase.charged is not None else None,
+                "delivered_tokens": delivered.get(start, 0),
+                "budget_tokens": tpm,
+                "utilisation": round((used or 0) / tpm, 4),
+            }
+        )
+    outcomes = Counter(r.outcome for r in phase.records)
+    delivered_total = sum(delivered.values())
+    charged_total = sum(charged.values()) if phase.charged is not None else None
+    basis = "charged" if phase.charged is not None else "delivered"
+    return {
+        "tpm": tpm,
+        "window_s": window_s,
+        "utilisation_basis": basis,
+        "windows": windows,
+        "max_utilisation": max((w["utilisation"] for w in windows), default=None),
+        "windows_over_budget": sum(1 for w in windows if w["utilisation"] > 1),
+        "delivered_tokens": delivered_total,
+        "charged_tokens": charged_total,
+        "charged_minus_delivered": None
+        if charged_total is None
+        else charged_total - delivered_total,
+        "streams_cut": outcomes.get("cut", 0),
+        "refused_429": outcomes.get("refused", 0),
+    }
+
+
 def summarize_phase(phase: Phase, scenario: Scenario) -> dict[str, Any]:
     records = phase.records
     outcomes = Counter(r.outcome for r in records)
@@ -88,19 +127,7 @@ def summarize_phase(phase: Phase, scenario: Scenario) -> dict[str, Any]:
         "cpu_share": {k: round(v, 3) for k, v in phase.cpu_share.items()},
     }
     if scenario.budget is not None and phase.route.startswith("processor"):
-        windows = budget_windows(records, scenario.budget.window_s)
-        for w in windows:
-            w["budget_tokens"] = scenario.budget.tpm
-            w["utilisation"] = round(w["delivered_tokens"] / scenario.budget.tpm, 4)
-        row["budget"] = {
-            "tpm": scenario.budget.tpm,
-            "window_s": scenario.budget.window_s,
-            "windows": windows,
-            "max_utilisation": max((w["utilisation"] for w in windows), default=None),
-            "windows_over_budget": sum(1 for w in windows if w["delivered_tokens"] > w["budget_tokens"]),
-            "streams_cut": outcomes.get("cut", 0),
-            "refused_429": outcomes.get("refused", 0),
-        }
+        row["budget"] = budget_figures(phase, scenario.budget.tpm, scenario.budget.window_s)
     return row
 
 
