@@ -80,6 +80,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report import fmt, percentile, ratio, table, verdict
+from loadlab.client import TimedStream, chat_request, timed_stream
+from loadlab.redis_server import RedisServer
 from loadlab.rig import (
     BENCH_KEY,
     MODEL,
@@ -90,8 +92,6 @@ from loadlab.rig import (
     upstream_sent_at,
     write_bench_config,
 )
-from loadlab.client import TimedStream, chat_request, timed_stream
-from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
 
 TARGET_RATIO = 1.25  # per-chunk added latency, billing / no-op (issue 5)

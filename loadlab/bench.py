@@ -27,8 +27,8 @@ from loadlab.engine import Engine, Phase
 from loadlab.parts import Parts, Route
 from loadlab.plots import write_plots
 from loadlab.quota_watch import BudgetWatch
-from loadlab.rig import MODEL
 from loadlab.report import Live, machine_info, summary_table, write_results
+from loadlab.rig import MODEL
 from loadlab.scenario import Scenario, ScenarioError, check, load_scenario, parse_scenario
 from loadlab.stats import summarize
 

@@ -14,6 +14,7 @@ Raw sockets rather than aiohttp: the send time is taken right before the request
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -111,10 +112,8 @@ class _TimedSseProtocol(asyncio.Protocol):
             for h in head[1:]:
                 name, _, value = h.partition(":")
                 if name.strip().lower() == "retry-after":
-                    try:
+                    with contextlib.suppress(ValueError):
                         self.result.retry_after_s = float(value.strip())
-                    except ValueError:
-                        pass
             self.headers_done = True
         if not self.chunked:
             self._feed_body(self.raw, now, now_ns)
@@ -204,9 +203,7 @@ async def timed_stream(
     loop = asyncio.get_running_loop()
     result = TimedStream(request_id)
     done: asyncio.Future[None] = loop.create_future()
-    transport, _ = await loop.create_connection(
-        lambda: _TimedSseProtocol(result, done), host, port
-    )
+    transport, _ = await loop.create_connection(lambda: _TimedSseProtocol(result, done), host, port)
     result.sent_ns = time.time_ns()
     result.sent_at = result.sent_ns / 1e9
     transport.write(request)

@@ -10,6 +10,7 @@ request's one write and each arrival is taken in ``data_received``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from collections.abc import Callable
@@ -142,7 +143,7 @@ def make_record(
         ttft_ms=ttft,
         e2el_ms=e2el,
         tpot_ms=tpot,
-        itl_ms=[round((b - a) / 1e6, 4) for a, b in zip(arrivals, arrivals[1:], strict=False)],
+        itl_ms=[round((b - a) / 1e6, 4) for a, b in itertools.pairwise(arrivals)],
         chunk_latency_us=[round((a - s) / 1e3, 1) for a, s in zip(arrivals, stamps, strict=True)],
         chunk_arrival_ms=[round((a - sent) / 1e6, 3) for a in arrivals],
         error_code=stream.error_code,

@@ -17,9 +17,9 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stack.envoy import EnvoyPorts, ProcessorHealthCheck, envoy_argv, render_bootstrap
 from loadlab.metrics import parse_metrics
 from loadlab.procs import ManagedProcess, free_port
+from stack.envoy import EnvoyPorts, ProcessorHealthCheck, envoy_argv, render_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
 

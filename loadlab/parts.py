@@ -8,6 +8,7 @@ run ends (``Parts`` is a context manager; a part that fails to start stops itsel
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -111,7 +112,6 @@ class Parts:
     def __init__(self, scenario: Scenario, workdir: Path | None = None) -> None:
         self.scenario = scenario
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="loadlab-"))
-        self.workdir.mkdir(parents=True, exist_ok=True)
         self.routes: list[Route] = []
         self.redis_url = ""
         self.processor: Processor | None = None
@@ -135,16 +135,15 @@ class Parts:
     def stop(self) -> None:
         while self._stoppers:
             stop = self._stoppers.pop()
-            try:
+            with contextlib.suppress(OSError):  # already gone: nothing left to stop
                 stop()
-            except (OSError, ProcessLookupError):
-                pass  # already gone: nothing left to stop
 
     def start(self) -> list[Route]:
         s = self.scenario
         if s.target is not None:
             self.routes = [target_route(s)]
             return self.routes
+        self.workdir.mkdir(parents=True, exist_ok=True)
         me = os.getpid()
         sim = Simulator(s.profile, *simulator_args(s), log_dir=self.workdir)
         self._stoppers.append(sim.stop)

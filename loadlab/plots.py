@@ -9,9 +9,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from loadlab.engine import Phase  # noqa: E402
+from loadlab.engine import Phase
 
 
 def _cdf(ax: Any, samples: Sequence[float], label: str) -> None:

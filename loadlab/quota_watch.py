@@ -10,6 +10,7 @@ agree on where a window starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import redis.asyncio as aioredis
@@ -42,10 +43,8 @@ class BudgetWatch:
         try:
             while not self._stop.is_set():
                 await self._read(client)
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.interval_s)
-                except TimeoutError:
-                    pass
             await self._read(client)  # settlements of the phase's last streams
         finally:
             await client.aclose()

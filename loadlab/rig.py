@@ -17,7 +17,6 @@ from typing import Any
 
 import yaml
 
-from stack.envoy import EnvoyPorts, render_bootstrap
 from loadlab.gateway import (
     Envoy,
     Processor,
@@ -26,6 +25,7 @@ from loadlab.gateway import (
     write_config,
 )
 from loadlab.procs import ManagedProcess, free_port
+from stack.envoy import EnvoyPorts, render_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_TENANT = "bench"

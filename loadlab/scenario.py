@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,7 +119,9 @@ class Scenario:
             return ("target",)
         out: list[str] = []
         for route in self.routes:
-            out += [self.variant_route(v) for v in self.variants] if route == "processor" else [route]
+            out += (
+                [self.variant_route(v) for v in self.variants] if route == "processor" else [route]
+            )
         return tuple(out)
 
     def variant_route(self, variant: Variant) -> str:

@@ -77,7 +77,9 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+def tiny_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
     base = tmp_path_factory.mktemp("tiny")
     scenario = write_scenario(base / "tiny.yaml", TINY)
     out = base / "results"
