@@ -135,29 +135,108 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     return parse_scenario(doc, base) if doc else base
 
 
+async def _level(
+    engine: Engine,
+    scenario: Scenario,
+    routes: Sequence[Route],
+    level_index: int,
+    live: Live,
+    redis_url: str,
+    tag: str = "",
+) -> list[Phase]:
+    """Every route in turn at one level: a change in the machine's load hits all alike."""
+    level = scenario.levels[level_index]
+    unit = "streams" if scenario.mode == "closed" else "req/s"
+    out = []
+    for route in routes:
+        watch = None
+        if scenario.budget and route.tenants and redis_url.startswith("redis"):
+            watch = BudgetWatch(
+                redis_url, route.tenants[level_index], MODEL, scenario.budget.window_s
+            )
+            watch.start()
+        with live.phase(
+            f"{route.name} @ {level:g} {unit}{tag}", scenario.phase_requests(level)
+        ) as advance:
+            phase = await engine.run_phase(route, level_index, advance)
+        if watch is not None:
+            phase.charged = await watch.stop()
+        out.append(phase)
+    return out
+
+
+def ceiling_trips(phases: Sequence[Phase], scenario: Scenario) -> tuple[list[str], dict[str, Any]]:
+    """Why one level counts as saturated for the ceiling's route (empty: it doesn't)."""
+    assert scenario.ceiling is not None
+    c = scenario.ceiling
+    rows = {row["route"]: row for row in summarize(phases, scenario)}
+    route = next(r for r in rows if r == c.route or r.startswith(f"{c.route}/"))
+    mine, base = rows[route], rows[c.baseline]
+    reasons = []
+    failed = {r: row["requests"] - row["completed"] for r, row in rows.items()}
+    if any(failed.values()):
+        reasons.append("failed requests (" + ", ".join(f"{r} {n}" for r, n in failed.items()) + ")")
+    ratio = None
+    if mine["e2el_ms"]["p99"] and base["e2el_ms"]["p99"]:
+        ratio = mine["e2el_ms"]["p99"] / base["e2el_ms"]["p99"]
+        if ratio > c.e2el_p99_ratio:
+            reasons.append(f"e2el p99 {ratio:.2f}× {c.baseline}'s > {c.e2el_p99_ratio:g}×")
+    cpu = mine["cpu_share"].get("processor")
+    if cpu is not None and cpu > c.cpu_share:
+        reasons.append(f"processor CPU {cpu:.0%} of a core > {c.cpu_share:.0%}")
+    figures = {
+        "e2el_p99_ratio": None if ratio is None else round(ratio, 3),
+        "processor_cpu_share": cpu,
+        "machine_cpu_share": mine["cpu_share"].get("machine"),
+        "failed": failed,
+    }
+    return reasons, figures
+
+
 async def _run(
     scenario: Scenario, routes: Sequence[Route], live: Live, redis_url: str
-) -> list[Phase]:
+) -> tuple[list[Phase], dict[str, Any] | None]:
     engine = Engine(scenario)
     for route in routes:
         await engine.warm(route)
     phases: list[Phase] = []
+    if scenario.ceiling is None:
+        for level_index in range(len(scenario.levels)):
+            phases += await _level(engine, scenario, routes, level_index, live, redis_url)
+        return phases, None
+    ceiling: dict[str, Any] = {"passed_level": None, "stopped_at": None, "attempts": []}
     for level_index, level in enumerate(scenario.levels):
-        for route in routes:  # every route in turn at one level: the same machine load
-            unit = "streams" if scenario.mode == "closed" else "req/s"
-            name = f"{route.name} @ {level:g} {unit}"
-            watch = None
-            if scenario.budget and route.tenants and redis_url.startswith("redis"):
-                watch = BudgetWatch(
-                    redis_url, route.tenants[level_index], MODEL, scenario.budget.window_s
-                )
-                watch.start()
-            with live.phase(name, scenario.phase_requests(level)) as advance:
-                phase = await engine.run_phase(route, level_index, advance)
-            if watch is not None:
-                phase.charged = await watch.stop()
-            phases.append(phase)
-    return phases
+        for attempt in (1, 2):
+            tag = f" (attempt {attempt})"
+            level_phases = await _level(engine, scenario, routes, level_index, live, redis_url, tag)
+            reasons, figures = ceiling_trips(level_phases, scenario)
+            ceiling["attempts"].append(
+                {"level": level, "attempt": attempt, "reasons": reasons, **figures}
+            )
+            live.note(
+                f"  level {level:g}, attempt {attempt}: {'; '.join(reasons) or 'unsaturated'}"
+            )
+            if not reasons:
+                break
+        phases += level_phases  # the level's last attempt
+        if reasons:
+            ceiling["stopped_at"] = {"level": level, "reasons": reasons}
+            break
+        ceiling["passed_level"] = level
+    return phases, ceiling
+
+
+def ceiling_line(scenario: Scenario, ceiling: dict[str, Any]) -> str:
+    assert scenario.ceiling is not None
+    passed, stopped = ceiling["passed_level"], ceiling["stopped_at"]
+    head = (
+        f"below {scenario.levels[0]:g}" if passed is None else f"{passed:g} (the last level passed)"
+    )
+    if stopped is None:
+        tail = f"not stopped up to {scenario.levels[-1]:g}"
+    else:
+        tail = f"stopped at {stopped['level']:g} by: {'; '.join(stopped['reasons'])}"
+    return f"ceiling of {scenario.ceiling.route} vs {scenario.ceiling.baseline}: {head}; {tail}"
 
 
 class _Terminated(Exception):
@@ -191,7 +270,7 @@ def run(argv: Sequence[str]) -> int:
                 f"load average {os.getloadavg()[0]:.1f}; results in {out}"
             )
             routes = parts.start()
-            phases = asyncio.run(_run(scenario, routes, live, parts.redis_url))
+            phases, ceiling = asyncio.run(_run(scenario, routes, live, parts.redis_url))
     except (KeyboardInterrupt, _Terminated):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C mustn't skip the stops
         parts.stop()
@@ -211,9 +290,13 @@ def run(argv: Sequence[str]) -> int:
     info["wall_s"] = round(time.monotonic() - started, 1)
     info["redis_url"] = parts.redis_url or None
     rows = summarize(phases, scenario)
+    if ceiling is not None:
+        info["ceiling"] = ceiling
     write_results(out, scenario.to_doc(), info, phases, rows)
     write_plots(phases, rows, out / "plots", scenario.mode, scenario.budget is not None)
     summary_table(rows, console)
+    if ceiling is not None:
+        console.print(ceiling_line(scenario, ceiling))
     console.print(f"results: {out} ({info['wall_s']:.0f}s)")
     return 0
 

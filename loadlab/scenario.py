@@ -77,6 +77,19 @@ class Budget:
 
 
 @dataclass(frozen=True)
+class Ceiling:
+    """Levels rise until ``route`` saturates: its e2el p99 over ``baseline``'s passes
+    ``e2el_p99_ratio``, its processor's CPU share passes ``cpu_share`` of a core, or a
+    request fails. A level that trips is run once more; it stops the search if it trips again
+    (a burst of other load on a shared machine doesn't end it)."""
+
+    route: str = "processor"
+    baseline: str = "envoy"
+    e2el_p99_ratio: float = 1.1
+    cpu_share: float = 0.9
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str = "bench"
     description: str = ""
@@ -103,6 +116,7 @@ class Scenario:
     output_tokens: Lengths = field(default_factory=lambda: Lengths("fixed", 100))
     warmup_requests: int = 4
     timeout_s: float = 60.0
+    ceiling: Ceiling | None = None
     # --target: an already running gateway, client-side figures only
     target: str | None = None
     api_key: str | None = None
@@ -169,6 +183,7 @@ class Scenario:
                 "output_tokens": self.output_tokens.to_doc(),
                 "warmup_requests": self.warmup_requests,
                 "timeout_s": self.timeout_s,
+                "ceiling": None if self.ceiling is None else dataclasses.asdict(self.ceiling),
             },
         }
         if self.target is not None:
@@ -319,7 +334,7 @@ def parse_scenario(doc: object, base: Scenario | None = None) -> Scenario:
         "load",
         {
             "mode", "levels", "requests", "rounds", "duration_s", "max_concurrency",
-            "prompt_tokens", "output_tokens", "warmup_requests", "timeout_s",
+            "prompt_tokens", "output_tokens", "warmup_requests", "timeout_s", "ceiling",
         },
     )  # fmt: skip
     if "mode" in load:
@@ -355,6 +370,28 @@ def parse_scenario(doc: object, base: Scenario | None = None) -> Scenario:
         changes["warmup_requests"] = _int(load["warmup_requests"], "load.warmup_requests")
     if "timeout_s" in load:
         changes["timeout_s"] = _float(load["timeout_s"], "load.timeout_s", positive=True)
+    if "ceiling" in load:
+        if load["ceiling"] is None:
+            changes["ceiling"] = None
+        else:
+            c = _mapping(
+                load["ceiling"],
+                "load.ceiling",
+                {"route", "baseline", "e2el_p99_ratio", "cpu_share"},
+            )
+            default = Ceiling()
+            changes["ceiling"] = Ceiling(
+                _choice(c.get("route", default.route), "load.ceiling.route", ROUTES),
+                _choice(c.get("baseline", default.baseline), "load.ceiling.baseline", ROUTES),
+                _float(
+                    c.get("e2el_p99_ratio", default.e2el_p99_ratio),
+                    "load.ceiling.e2el_p99_ratio",
+                    positive=True,
+                ),
+                _float(
+                    c.get("cpu_share", default.cpu_share), "load.ceiling.cpu_share", positive=True
+                ),
+            )
     if "target" in top:
         target = _mapping(top["target"], "target", {"url", "model", "api_key"})
         if "url" in target:
@@ -384,6 +421,16 @@ def check(s: Scenario) -> Scenario:
         raise ScenarioError("simulator.itl_std_ms", "cannot be more than 30% of itl_ms")
     if s.budget is not None and "processor" not in s.routes and s.target is None:
         raise ScenarioError("processor.budget", "needs the processor route in routes")
+    if s.ceiling is not None:
+        for key, route in (("route", s.ceiling.route), ("baseline", s.ceiling.baseline)):
+            if route not in s.routes:
+                raise ScenarioError(f"load.ceiling.{key}", f"{route!r} is not in routes")
+        if s.ceiling.route == s.ceiling.baseline:
+            raise ScenarioError("load.ceiling.baseline", "must differ from load.ceiling.route")
+        if len(s.variants) != 1:
+            raise ScenarioError("load.ceiling", "needs one processor configuration")
+        if list(s.levels) != sorted(s.levels):
+            raise ScenarioError("load.levels", "must rise for a ceiling search")
     if s.target is not None and not s.target.startswith("http://"):
         raise ScenarioError("target.url", f"must be an http:// URL, got {s.target!r}")
     return s
