@@ -226,6 +226,20 @@ async def _run(
     return phases, ceiling
 
 
+def processor_figures(metrics: dict[str, float]) -> dict[str, Any]:
+    """The processor's own counts over the run (warm-up included)."""
+    events = metrics.get("extproc_sse_events_total", 0.0)
+    waited = metrics.get("extproc_events_waited_total", 0.0)
+    return {
+        "admitted": int(metrics.get("extproc_requests_admitted_total", 0)),
+        "refused": int(metrics.get("extproc_requests_refused_total", 0)),
+        "sse_events": int(events),
+        "events_waited_on_redis": int(waited),
+        "events_waited_share": round(waited / events, 6) if events else None,
+        "cutoffs": int(metrics.get("extproc_cutoffs_total", 0)),
+    }
+
+
 def ceiling_line(scenario: Scenario, ceiling: dict[str, Any]) -> str:
     assert scenario.ceiling is not None
     passed, stopped = ceiling["passed_level"], ceiling["stopped_at"]
@@ -271,6 +285,8 @@ def run(argv: Sequence[str]) -> int:
             )
             routes = parts.start()
             phases, ceiling = asyncio.run(_run(scenario, routes, live, parts.redis_url))
+            if parts.processor is not None:
+                info["processor_metrics"] = processor_figures(parts.processor.metrics())
     except (KeyboardInterrupt, _Terminated):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C mustn't skip the stops
         parts.stop()

@@ -22,6 +22,15 @@ def _cdf(ax: Any, samples: Sequence[float], label: str) -> None:
     ax.plot(ordered, [(i + 1) / n for i in range(n)], label=label, linewidth=1.2)
 
 
+def _legend(ax: Any) -> None:
+    """A legend when something was drawn; else say so (a route set without direct has no
+    added latency, a run without stamps no chunk latency)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+
+
 def _level_label(mode: str) -> str:
     return "concurrent streams" if mode == "closed" else "request rate (req/s)"
 
@@ -42,7 +51,7 @@ def latency_cdfs(phases: Sequence[Phase], path: Path, metric: str) -> Path:
         ax.set_xlabel("chunk one-way latency (ms)" if metric == "chunk" else "TTFT (ms)")
         ax.set_ylabel("fraction ≤ x")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -68,7 +77,7 @@ def by_level(
     ax.set_ylabel(ylabel)
     ax.set_xscale("log")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    _legend(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -83,13 +92,18 @@ def budget_use(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     origin = min((r["budget"]["windows"][0]["window_start_s"] for r in budget_rows), default=0)
     for row in budget_rows:
         windows = row["budget"]["windows"]
+        width = row["budget"]["window_s"]
+        # One more point at the last window's end, so every window is drawn its full width.
         xs = [w["window_start_s"] - origin for w in windows]
+        xs.append(xs[-1] + width)
         label = f"{row['route']} @ {row['level']:g}"
         line = None
         if windows[0]["charged_tokens"] is not None:
-            (line,) = ax.step(xs, [w["charged_tokens"] for w in windows], where="post",
-                              marker="o", label=f"{label}: charged")  # fmt: skip
-        ax.step(xs, [w["delivered_tokens"] for w in windows], where="post", marker=".",
+            charged = [w["charged_tokens"] for w in windows]
+            (line,) = ax.step(xs, [*charged, charged[-1]], where="post",
+                              label=f"{label}: charged")  # fmt: skip
+        delivered = [w["delivered_tokens"] for w in windows]
+        ax.step(xs, [*delivered, delivered[-1]], where="post",
                 linestyle=":", color=None if line is None else line.get_color(),
                 label=f"{label}: delivered")  # fmt: skip
     if budget_rows:
@@ -98,7 +112,7 @@ def budget_use(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     ax.set_xlabel("window start (s since the first window)")
     ax.set_ylabel("tokens in the window")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=6)
+    _legend(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
