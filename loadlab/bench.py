@@ -48,7 +48,9 @@ def _csv(kind: type, key: str) -> Any:
 
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="extproc bench", description="Streaming-latency benchmark runs (see README)."
+        prog="extproc bench",
+        description="Streaming-latency benchmark runs (README: 'Benchmark runs'); "
+        "'extproc bench compare A B' puts two results folders side by side.",
     )
     p.add_argument("scenario", nargs="?", type=Path, help="scenario YAML (default: built-in)")
     p.add_argument("--out", type=Path, help="results folder (default: results/<name>-<time>)")

@@ -431,6 +431,15 @@ def check(s: Scenario) -> Scenario:
             raise ScenarioError("load.ceiling", "needs one processor configuration")
         if list(s.levels) != sorted(s.levels):
             raise ScenarioError("load.levels", "must rise for a ceiling search")
+    if s.target is None:
+        from loadlab.simulator import profile_path
+
+        try:
+            profile_path(s.profile)
+        except FileNotFoundError:
+            raise ScenarioError(
+                "simulator.profile", f"{s.profile!r} is neither in simulator_profiles/ nor a file"
+            ) from None
     if s.target is not None and not s.target.startswith("http://"):
         raise ScenarioError("target.url", f"must be an http:// URL, got {s.target!r}")
     return s

@@ -27,6 +27,7 @@ BAD_FILES = [
     (with_load(output_tokens={"dist": "uniform", "min": 50, "max": 10}), "load.output_tokens.max"),
     (with_load(prompt_tokens={"dist": "zipf"}), "load.prompt_tokens.dist"),
     ({**TINY, "simulator": {"itl_ms": -1}}, "simulator.itl_ms"),
+    ({**TINY, "simulator": {"profile": "no-such-profile.yaml"}}, "simulator.profile"),
     ({**TINY, "simulator": {"itl_ms": 10, "itl_std_ms": 5}}, "simulator.itl_std_ms"),
     ({**TINY, "processor": {"budget": {"window_s": 5}}}, "processor.budget.tpm"),
     ({**TINY, "processor": {"charge_modes": ["postpaid"]}}, "processor.charge_modes"),
