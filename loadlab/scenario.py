@@ -419,7 +419,9 @@ def check(s: Scenario) -> Scenario:
         raise ScenarioError("load.duration_s", "give load.requests or load.duration_s, not both")
     if s.itl_std_ms > 0.3 * s.itl_ms + 1e-12:
         raise ScenarioError("simulator.itl_std_ms", "cannot be more than 30% of itl_ms")
-    if s.budget is not None and "processor" not in s.routes and s.target is None:
+    if s.budget is not None and s.target is not None:
+        raise ScenarioError("processor.budget", "not with a target: its budgets are its own")
+    if s.budget is not None and "processor" not in s.routes:
         raise ScenarioError("processor.budget", "needs the processor route in routes")
     if s.ceiling is not None:
         for key, route in (("route", s.ceiling.route), ("baseline", s.ceiling.baseline)):

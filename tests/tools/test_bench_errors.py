@@ -33,6 +33,10 @@ BAD_FILES = [
     ({**TINY, "processor": {"charge_modes": ["postpaid"]}}, "processor.charge_modes"),
     ({**TINY, "routes": ["direct"], "processor": {"budget": {"tpm": 10}}}, "processor.budget"),
     ({**TINY, "target": {"url": "https://gw.example"}}, "target.url"),
+    (
+        {**TINY, "target": {"url": "http://127.0.0.1:1"}, "processor": {"budget": {"tpm": 9}}},
+        "processor.budget",
+    ),
 ]
 
 
