@@ -296,7 +296,10 @@ def run(argv: Sequence[str]) -> int:
         return 130
     except (RuntimeError, TimeoutError, OSError) as exc:
         parts.stop()
-        print(f"extproc bench: {exc}".splitlines()[0], file=sys.stderr)
+        # A part's failure carries its log's tail: its last line says why.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
+        why = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+        print(f"extproc bench: {why}", file=sys.stderr)
         print(f"  (part logs in {out / 'logs'})", file=sys.stderr)
         return 1
     finally:

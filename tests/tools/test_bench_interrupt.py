@@ -81,3 +81,31 @@ def test_ctrl_c_while_parts_start_stops_those_already_started(tmp_path: Path) ->
     assert status == 130, log.read_text()
     assert len(seen) >= 2
     assert [pid for pid in seen if alive(pid)] == []
+
+
+def test_a_part_that_fails_to_start_ends_the_run_with_exit_1_and_nothing_left(
+    tmp_path: Path,
+) -> None:
+    profile = tmp_path / "broken-profile.yaml"
+    profile.write_text('model: "gpt-4.1"\nmode: sideways\n')  # llmsim refuses it at start
+    scenario = write_scenario(
+        tmp_path / "s.yaml", {**TINY, "simulator": {"profile": str(profile), "itl_ms": 5}}
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "extproc", "bench", str(scenario), "--quiet",
+         "--out", str(tmp_path / "out")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "exited with 2: llmsim: configuration error: mode: invalid mode" in done.stderr
+    assert f"(part logs in {tmp_path / 'out' / 'logs'})" in done.stderr
+    # No process of this run is left: every one of them was given the profile's path.
+    left = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(profile).encode() in cmdline:
+            left.append(entry.name)
+    assert left == []
