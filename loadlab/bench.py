@@ -263,6 +263,12 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise _Terminated()
 
 
+def _shield() -> None:
+    """While the parts are stopped, a second Ctrl-C or SIGTERM mustn't cut the stops short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def run(argv: Sequence[str]) -> int:
     args = run_parser().parse_args(list(argv))
     try:
@@ -288,13 +294,17 @@ def run(argv: Sequence[str]) -> int:
             routes = parts.start()
             phases, ceiling = asyncio.run(_run(scenario, routes, live, parts.redis_url))
             if parts.processor is not None:
-                info["processor_metrics"] = processor_figures(parts.processor.metrics())
+                try:
+                    info["processor_metrics"] = processor_figures(parts.processor.metrics())
+                except OSError:  # a figure less, not a lost run
+                    info["processor_metrics"] = None
     except (KeyboardInterrupt, _Terminated):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C mustn't skip the stops
+        _shield()
         parts.stop()
         print("extproc bench: interrupted; every part stopped", file=sys.stderr)
         return 130
     except (RuntimeError, TimeoutError, OSError) as exc:
+        _shield()
         parts.stop()
         # A part's failure carries its log's tail: its last line says why.
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
@@ -303,7 +313,7 @@ def run(argv: Sequence[str]) -> int:
         print(f"  (part logs in {out / 'logs'})", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _shield()
         parts.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, previous)
