@@ -6,7 +6,7 @@ fixed inter-token latency (ITL). Rounds alternate between *quiet* (the streams a
 s to the same processor (open loop: a slow admission does not delay the next one). The
 figure is the rise of the streams' per-chunk lateness p99 from quiet to big rounds.
 
-* ``--level envoy`` (default): through the real Envoy, as ``bench_stream_latency.py``: the
+* ``--level envoy`` (default): through the real Envoy (``loadlab.rig``'s bootstrap): the
   streams go to llmsim (no jitter), a chunk's lateness is its arrival − Envoy's "request
   written upstream" time (access log) − i × ITL. The big prompts are admitted like any
   request (parsed, counted, charged, re-serialised, forwarded), but Envoy routes them
@@ -76,7 +76,7 @@ from benchmarks.rig import (
     bootstrap,
     upstream_sent_at,
 )
-from benchmarks.timed_sse_client import TimedStream, chat_request, timed_stream
+from loadlab.client import TimedStream, chat_request, timed_stream
 from stack.envoy import EnvoyPorts
 from tests.support.gateway import Envoy, Processor, grpc_serving, key_hash, write_config
 from tests.support.procs import ManagedProcess, free_port
@@ -564,7 +564,7 @@ class BigResult:
 class EnvoyDriver:
     """Through the real Envoy: the streams to llmsim, the big prompts to the sink. A chunk's
     lateness is its arrival − (Envoy wrote the request upstream + i × ITL), from the access
-    log, as in bench_stream_latency.py."""
+    log, as the stream-latency benchmark did before its send stamps."""
 
     async def streams(
         self, route: Route, streams: int, tokens: int, itl_s: float, tag: str

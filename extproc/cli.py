@@ -1,4 +1,4 @@
-"""``extproc serve``, ``extproc check-config`` and ``extproc usage export|summary``."""
+"""``extproc serve``, ``check-config``, ``usage export|summary`` and ``bench`` (benchmarks)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,31 @@ def _configure_logging(level: str) -> None:
     )
 
 
+TOOLS_MODULES = ("rich", "matplotlib")
+
+
+def _tool(name: str, argv: list[str]) -> int:
+    """A tool sub-command, imported only when asked for: ``serve`` never loads rich or
+    matplotlib, and an install without the ``tools`` extra gets one clear line."""
+    import importlib.util
+
+    missing = [m for m in TOOLS_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        print(
+            f"extproc {name}: needs the tools extra ({', '.join(missing)} missing): "
+            "pip install 'token-quota-extproc[tools]'",
+            file=sys.stderr,
+        )
+        return 2
+    from loadlab.bench import main as bench_main
+
+    return bench_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return _tool("bench", argv[1:])
     parser = argparse.ArgumentParser(prog="extproc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the ext_proc gRPC server")
@@ -66,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check-config", help="validate a config, print its normal form and hash")
     check.add_argument("config")
     _usage_parser(sub)
+    # Handled before parsing (its own parser, in the tools package); listed for --help.
+    sub.add_parser("bench", help="streaming-latency benchmark runs (extproc bench --help)")
     args = parser.parse_args(argv)
 
     if args.command == "usage":

@@ -27,7 +27,7 @@ from llmsim.metrics import Metrics, ModelStats
 from llmsim.payloads import GenerationRequest, Kind, parse_request
 from llmsim.scheduler import Engine, Ticket
 from llmsim.settings import FAILURE_TYPES, ConfigError, ConfigHolder, SimConfig, to_public_dict
-from llmsim.sse import DONE, StreamEvents, escape, usage_json
+from llmsim.sse import DONE, StreamEvents, escape, stamped, usage_json
 from llmsim.textgen import Answer, group_pieces, plan_answer
 
 log = logging.getLogger("llmsim")
@@ -330,6 +330,7 @@ class _Run:
         groups = group_pieces(self.answer.pieces, cfg.ext_tokens_per_chunk)
         chaos = plan_chaos(cfg, len(groups), rng) if groups else NO_CHAOS
         paced = cfg.inter_token_latency > 0
+        stamp = cfg.ext_stamp_events
         continuous = req.continuous_usage
         prompt_tokens = self.prompt_tokens
         write = response.write
@@ -354,6 +355,9 @@ class _Run:
                 )
             else:
                 event = events.token(escape(text))
+            if stamp:
+                # Taken just before the write: aiohttp hands the bytes to the socket at once.
+                event = stamped(event, time.time_ns())
             now = time.monotonic()
             if index == 0:
                 self.first_token_at = now

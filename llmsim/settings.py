@@ -88,6 +88,7 @@ class SimConfig:
     ext_stall_duration: float = 1.0
     ext_malformed_event_rate: float = 0.0
     ext_split_writes_rate: float = 0.0
+    ext_stamp_events: bool = False
     ignored: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -229,6 +230,12 @@ KEYS: dict[str, KeySpec] = {
     "ext-stall-duration": _key("ext_stall_duration", _as_duration, admin=True),
     "ext-malformed-event-rate": _key("ext_malformed_event_rate", _as_float, admin=True),
     "ext-split-writes-rate": _key("ext_split_writes_rate", _as_float, admin=True),
+    "ext-stamp-events": _key(
+        "ext_stamp_events",
+        _as_bool,
+        admin=True,
+        help="stamp each token event with its send time (ext_sent_ns, time.time_ns())",
+    ),
 }
 
 # Keys the real simulator knows and this one does not act on: accepted with a warning so

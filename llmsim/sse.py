@@ -10,6 +10,9 @@ from __future__ import annotations
 import orjson
 
 DONE = b"data: [DONE]\n\n"
+# The send-time stamp (``ext-stamp-events``): a top-level member of the chunk object, named
+# as an extension so no OpenAI client or gateway takes it for a standard field.
+STAMP_FIELD = b"ext_sent_ns"
 _OPEN_ENDED = b',"logprobs":null,"finish_reason":null}]}\n\n'
 
 
@@ -80,3 +83,8 @@ class StreamEvents:
     def malformed(self) -> bytes:
         """An event whose JSON is cut off: what a broken proxy or backend might emit."""
         return self._token_head + b"\n\n"
+
+
+def stamped(event: bytes, sent_ns: int) -> bytes:
+    """``event`` (one ``data: {...}\\n\\n`` chunk) with ``"ext_sent_ns": sent_ns`` added last."""
+    return event[:-3] + b',"%s":%d}\n\n' % (STAMP_FIELD, sent_ns)

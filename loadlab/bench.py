@@ -1,0 +1,363 @@
+"""``extproc bench``: streaming-latency benchmark runs, and ``compare`` of two of them.
+
+    extproc bench [SCENARIO.yaml] [--out DIR] [flags overriding the file]
+    extproc bench --target http://127.0.0.1:10000 --api-key KEY [--model M] ...
+    extproc bench compare RESULTS_A RESULTS_B [--out DIR]
+
+Exit status: 0 done, 1 a part failed, 2 a bad scenario or flag, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from loadlab.compare import CompareError, compare, print_compare, write_compare
+from loadlab.engine import Engine, Phase
+from loadlab.parts import Parts, Route
+from loadlab.plots import write_plots
+from loadlab.quota_watch import BudgetWatch
+from loadlab.report import Live, machine_info, summary_table, write_results
+from loadlab.rig import MODEL
+from loadlab.scenario import Scenario, ScenarioError, check, load_scenario, parse_scenario
+from loadlab.stats import summarize
+
+
+def _csv(kind: type, key: str) -> Any:
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            values = tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{key}: expected a comma-separated list") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"{key}: must not be empty")
+        return values
+
+    return parse
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="extproc bench",
+        description="Streaming-latency benchmark runs (README: 'Benchmark runs'); "
+        "'extproc bench compare A B' puts two results folders side by side.",
+    )
+    p.add_argument("scenario", nargs="?", type=Path, help="scenario YAML (default: built-in)")
+    p.add_argument("--out", type=Path, help="results folder (default: results/<name>-<time>)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars: a line per phase")
+    g = p.add_argument_group("overrides of the scenario file")
+    g.add_argument("--name")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--profile", help="simulator profile (in simulator_profiles/ or a path)")
+    g.add_argument("--itl-ms", type=float)
+    g.add_argument("--ttft-ms", type=float)
+    g.add_argument("--tokens-per-chunk", type=int)
+    g.add_argument("--routes", type=_csv(str, "routes"), help="direct,envoy,noop,processor")
+    g.add_argument("--charge-modes", type=_csv(str, "charge_modes"))
+    g.add_argument("--batch-tokens", type=_csv(int, "batch_tokens"))
+    g.add_argument("--budget-tpm", type=int, help="a TPM budget on the processor routes")
+    g.add_argument("--window-s", type=int, help="the budget's window (default 60)")
+    g.add_argument("--mode", choices=("closed", "rate"))
+    g.add_argument("--levels", type=_csv(float, "levels"), help="streams, or req/s with rate")
+    g.add_argument("--requests", type=int, help="requests per route and level (at least)")
+    g.add_argument("--rounds", type=int, help="… and at least rounds × level")
+    g.add_argument("--duration-s", type=float, help="instead of --requests: seconds per phase")
+    g.add_argument("--max-concurrency", type=int)
+    g.add_argument("--prompt-tokens", type=int, help="fixed prompt length")
+    g.add_argument("--output-tokens", type=int, help="fixed answer length")
+    g.add_argument("--warmup-requests", type=int)
+    g.add_argument("--timeout-s", type=float)
+    t = p.add_argument_group("an already running gateway (client-side figures only)")
+    t.add_argument("--target", help="base URL, e.g. http://127.0.0.1:10000")
+    t.add_argument("--api-key")
+    t.add_argument("--model")
+    return p
+
+
+def build_scenario(args: argparse.Namespace) -> Scenario:
+    """The file's scenario (or the built-in one) with the flags applied over it; the flags
+    become a document of the file's shape, so they pass the same checks and errors."""
+    base = load_scenario(args.scenario) if args.scenario is not None else check(Scenario())
+    doc: dict[str, Any] = {}
+
+    def put(section: str | None, key: str, value: Any) -> None:
+        if value is None:
+            return
+        value = list(value) if isinstance(value, tuple) else value
+        (doc if section is None else doc.setdefault(section, {}))[key] = value
+
+    put(None, "name", args.name)
+    put(None, "seed", args.seed)
+    put("simulator", "profile", args.profile)
+    put("simulator", "itl_ms", args.itl_ms)
+    put("simulator", "ttft_ms", args.ttft_ms)
+    put("simulator", "tokens_per_chunk", args.tokens_per_chunk)
+    put(None, "routes", args.routes)
+    put("processor", "charge_modes", args.charge_modes)
+    put("processor", "batch_tokens", args.batch_tokens)
+    if args.budget_tpm is not None or args.window_s is not None:
+        budget: dict[str, Any] = {}
+        if base.budget is not None:
+            budget = {"tpm": base.budget.tpm, "window_s": base.budget.window_s}
+        put(None, "processor", doc.get("processor", {}))
+        doc["processor"]["budget"] = budget
+        if args.budget_tpm is not None:
+            budget["tpm"] = args.budget_tpm
+        if args.window_s is not None:
+            budget["window_s"] = args.window_s
+    put("load", "mode", args.mode)
+    put("load", "levels", args.levels)
+    if args.requests is not None and args.duration_s is not None:
+        raise ScenarioError("load.duration_s", "give --requests or --duration-s, not both")
+    if args.requests is not None:
+        put("load", "requests", args.requests)
+        doc["load"]["duration_s"] = None
+    if args.duration_s is not None:
+        put("load", "duration_s", args.duration_s)
+        doc["load"]["requests"] = None
+    put("load", "rounds", args.rounds)
+    put("load", "max_concurrency", args.max_concurrency)
+    put("load", "prompt_tokens", args.prompt_tokens)
+    put("load", "output_tokens", args.output_tokens)
+    put("load", "warmup_requests", args.warmup_requests)
+    put("load", "timeout_s", args.timeout_s)
+    put("target", "url", args.target)
+    put("target", "model", args.model)
+    put("target", "api_key", args.api_key)
+    return parse_scenario(doc, base) if doc else base
+
+
+async def _level(
+    engine: Engine,
+    scenario: Scenario,
+    routes: Sequence[Route],
+    level_index: int,
+    live: Live,
+    redis_url: str,
+    tag: str = "",
+) -> list[Phase]:
+    """Every route in turn at one level: a change in the machine's load hits all alike."""
+    level = scenario.levels[level_index]
+    unit = "streams" if scenario.mode == "closed" else "req/s"
+    out = []
+    for route in routes:
+        watch = None
+        if scenario.budget and route.tenants and redis_url.startswith("redis"):
+            watch = BudgetWatch(
+                redis_url, route.tenants[level_index], MODEL, scenario.budget.window_s
+            )
+            watch.start()
+        with live.phase(
+            f"{route.name} @ {level:g} {unit}{tag}", scenario.phase_requests(level)
+        ) as advance:
+            phase = await engine.run_phase(route, level_index, advance)
+        if watch is not None:
+            phase.charged = await watch.stop()
+        out.append(phase)
+    return out
+
+
+def ceiling_trips(phases: Sequence[Phase], scenario: Scenario) -> tuple[list[str], dict[str, Any]]:
+    """Why one level counts as saturated for the ceiling's route (empty: it doesn't)."""
+    assert scenario.ceiling is not None
+    c = scenario.ceiling
+    rows = {row["route"]: row for row in summarize(phases, scenario)}
+    route = next(r for r in rows if r == c.route or r.startswith(f"{c.route}/"))
+    mine, base = rows[route], rows[c.baseline]
+    reasons = []
+    failed = {r: row["requests"] - row["completed"] for r, row in rows.items()}
+    if any(failed.values()):
+        reasons.append("failed requests (" + ", ".join(f"{r} {n}" for r, n in failed.items()) + ")")
+    ratio = None
+    if mine["e2el_ms"]["p99"] and base["e2el_ms"]["p99"]:
+        ratio = mine["e2el_ms"]["p99"] / base["e2el_ms"]["p99"]
+        if ratio > c.e2el_p99_ratio:
+            reasons.append(f"e2el p99 {ratio:.2f}× {c.baseline}'s > {c.e2el_p99_ratio:g}×")
+    cpu = mine["cpu_share"].get("processor")
+    if cpu is not None and cpu > c.cpu_share:
+        reasons.append(f"processor CPU {cpu:.0%} of a core > {c.cpu_share:.0%}")
+    figures = {
+        "e2el_p99_ratio": None if ratio is None else round(ratio, 3),
+        "processor_cpu_share": cpu,
+        "machine_cpu_share": mine["cpu_share"].get("machine"),
+        "failed": failed,
+    }
+    return reasons, figures
+
+
+async def _run(
+    scenario: Scenario, routes: Sequence[Route], live: Live, redis_url: str
+) -> tuple[list[Phase], dict[str, Any] | None]:
+    engine = Engine(scenario)
+    for route in routes:
+        await engine.warm(route)
+    phases: list[Phase] = []
+    if scenario.ceiling is None:
+        for level_index in range(len(scenario.levels)):
+            phases += await _level(engine, scenario, routes, level_index, live, redis_url)
+        return phases, None
+    ceiling: dict[str, Any] = {"passed_level": None, "stopped_at": None, "attempts": []}
+    for level_index, level in enumerate(scenario.levels):
+        for attempt in (1, 2):
+            tag = f" (attempt {attempt})"
+            level_phases = await _level(engine, scenario, routes, level_index, live, redis_url, tag)
+            reasons, figures = ceiling_trips(level_phases, scenario)
+            ceiling["attempts"].append(
+                {"level": level, "attempt": attempt, "reasons": reasons, **figures}
+            )
+            live.note(
+                f"  level {level:g}, attempt {attempt}: {'; '.join(reasons) or 'unsaturated'}"
+            )
+            if not reasons:
+                break
+        phases += level_phases  # the level's last attempt
+        if reasons:
+            ceiling["stopped_at"] = {"level": level, "reasons": reasons}
+            break
+        ceiling["passed_level"] = level
+    return phases, ceiling
+
+
+def processor_figures(metrics: dict[str, float]) -> dict[str, Any]:
+    """The processor's own counts over the run (warm-up included)."""
+    events = metrics.get("extproc_sse_events_total", 0.0)
+    waited = metrics.get("extproc_events_waited_total", 0.0)
+    return {
+        "admitted": int(metrics.get("extproc_requests_admitted_total", 0)),
+        "refused": int(metrics.get("extproc_requests_refused_total", 0)),
+        "sse_events": int(events),
+        "events_waited_on_redis": int(waited),
+        "events_waited_share": round(waited / events, 6) if events else None,
+        "cutoffs": int(metrics.get("extproc_cutoffs_total", 0)),
+    }
+
+
+def ceiling_line(scenario: Scenario, ceiling: dict[str, Any]) -> str:
+    assert scenario.ceiling is not None
+    passed, stopped = ceiling["passed_level"], ceiling["stopped_at"]
+    head = (
+        f"below {scenario.levels[0]:g}" if passed is None else f"{passed:g} (the last level passed)"
+    )
+    if stopped is None:
+        tail = f"not stopped up to {scenario.levels[-1]:g}"
+    else:
+        tail = f"stopped at {stopped['level']:g} by: {'; '.join(stopped['reasons'])}"
+    return f"ceiling of {scenario.ceiling.route} vs {scenario.ceiling.baseline}: {head}; {tail}"
+
+
+class _Terminated(Exception):
+    """SIGTERM, turned into an exception so every part is stopped on the way out."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+def _shield() -> None:
+    """While the parts are stopped, a second Ctrl-C or SIGTERM mustn't cut the stops short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def run(argv: Sequence[str]) -> int:
+    args = run_parser().parse_args(list(argv))
+    try:
+        scenario = build_scenario(args)
+    except ScenarioError as exc:
+        print(f"extproc bench: invalid scenario: {exc}", file=sys.stderr)
+        return 2
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    out: Path = args.out or Path("results") / f"{scenario.name}-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    started = time.monotonic()
+    info: dict[str, Any] = {"started_utc": stamp, "machine": machine_info()}
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    parts = Parts(scenario, out / "logs")
+    try:
+        with Live(args.quiet) as live:
+            live.note(
+                f"extproc bench {scenario.name}: routes {', '.join(scenario.route_names)}, "
+                f"levels {', '.join(f'{x:g}' for x in scenario.levels)} ({scenario.mode}), "
+                f"load average {os.getloadavg()[0]:.1f}; results in {out}"
+            )
+            routes = parts.start()
+            phases, ceiling = asyncio.run(_run(scenario, routes, live, parts.redis_url))
+            if parts.processor is not None:
+                try:
+                    info["processor_metrics"] = processor_figures(parts.processor.metrics())
+                except OSError:  # a figure less, not a lost run
+                    info["processor_metrics"] = None
+    except (KeyboardInterrupt, _Terminated):
+        _shield()
+        parts.stop()
+        print("extproc bench: interrupted; every part stopped", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        _shield()
+        parts.stop()
+        # A part's failure carries its log's tail: its last line says why.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
+        why = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+        print(f"extproc bench: {why}", file=sys.stderr)
+        print(f"  (part logs in {out / 'logs'})", file=sys.stderr)
+        return 1
+    finally:
+        _shield()
+        parts.stop()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, previous)
+    info["finished_load_average"] = [round(x, 2) for x in os.getloadavg()]
+    info["wall_s"] = round(time.monotonic() - started, 1)
+    info["redis_url"] = parts.redis_url or None
+    rows = summarize(phases, scenario)
+    if ceiling is not None:
+        info["ceiling"] = ceiling
+    write_results(out, scenario.to_doc(), info, phases, rows)
+    write_plots(phases, rows, out / "plots", scenario.mode, scenario.budget is not None)
+    summary_table(rows, console)
+    if ceiling is not None:
+        console.print(ceiling_line(scenario, ceiling))
+    console.print(f"results: {out} ({info['wall_s']:.0f}s)")
+    return 0
+
+
+def compare_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="extproc bench compare", description="Two results folders side by side: B/A."
+    )
+    p.add_argument("a", type=Path)
+    p.add_argument("b", type=Path)
+    p.add_argument("--out", type=Path, help="where compare.json/csv go (default: B)")
+    args = p.parse_args(list(argv))
+    try:
+        rows = compare(args.a, args.b)
+    except CompareError as exc:
+        print(f"extproc bench compare: {exc}", file=sys.stderr)
+        return 2
+    json_path, csv_path = write_compare(rows, args.out or args.b)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    print_compare(rows, console, args.a, args.b)
+    console.print(f"written: {json_path}, {csv_path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "compare":
+        return compare_main(argv[1:])
+    return run(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

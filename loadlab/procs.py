@@ -1,0 +1,97 @@
+"""Free ports and child processes that are always stopped by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A port the kernel just handed out on loopback (bind port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def free_port_run(count: int, attempts: int = 50) -> int:
+    """The first of ``count`` consecutive free loopback ports (for multi-worker processes)."""
+    for _ in range(attempts):
+        first = free_port()
+        socks = []
+        try:
+            for offset in range(count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind(("127.0.0.1", first + offset))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no run of {count} free ports found")
+
+
+class ManagedProcess:
+    """A child process in its own session, logged to a file, stopped by PID on ``stop``."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            start_new_session=True,  # Envoy dies with the launching job otherwise
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, ready: Callable[[], bool], timeout_s: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.argv[0]} exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}"
+                )
+            if ready():
+                return
+            time.sleep(0.02)
+        raise TimeoutError(
+            f"{self.argv[0]} not ready after {timeout_s}s:\n{self.log_text()[-4000:]}"
+        )
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self._log.close()
+        return self.proc.returncode

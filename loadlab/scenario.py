@@ -1,0 +1,459 @@
+"""Scenario files: what a benchmark run starts and sends, validated key by key.
+
+A scenario is a YAML mapping (see ``benchmarks/scenarios/``); command-line flags override
+its keys. Every mistake is a ``ScenarioError`` naming the key (``load.levels``), which the
+CLI prints on one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROUTES = ("direct", "envoy", "noop", "processor")
+CHARGE_MODES = ("incremental", "reserve_max")
+LOAD_MODES = ("closed", "rate")
+DISTRIBUTIONS = ("fixed", "uniform", "normal")
+
+
+class ScenarioError(ValueError):
+    """A scenario value that can't be used; ``key`` is its dotted path."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """A token-count distribution: fixed, uniform over [low, high], or normal (clipped ≥ 1)."""
+
+    dist: str = "fixed"
+    value: int = 100
+    low: int = 0
+    high: int = 0
+    mean: float = 0.0
+    std: float = 0.0
+
+    def draw(self, rng: random.Random) -> int:
+        if self.dist == "uniform":
+            return rng.randint(self.low, self.high)
+        if self.dist == "normal":
+            return max(1, round(rng.gauss(self.mean, self.std)))
+        return self.value
+
+    def to_doc(self) -> Any:
+        if self.dist == "fixed":
+            return self.value
+        if self.dist == "uniform":
+            return {"dist": "uniform", "min": self.low, "max": self.high}
+        return {"dist": "normal", "mean": self.mean, "std": self.std}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One processor configuration the ``processor`` route is run with."""
+
+    charge_mode: str = "incremental"
+    batch_tokens: int = 32
+
+    @property
+    def name(self) -> str:
+        return f"processor/{self.charge_mode}/b{self.batch_tokens}"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A TPM budget on the processor routes' tenant: the quota-accuracy figures."""
+
+    tpm: int
+    window_s: int = 60
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """Levels rise until ``route`` saturates: its e2el p99 over ``baseline``'s passes
+    ``e2el_p99_ratio``, its processor's CPU share passes ``cpu_share`` of a core, or a
+    request fails. A level that trips is run once more; it stops the search if it trips again
+    (a burst of other load on a shared machine doesn't end it)."""
+
+    route: str = "processor"
+    baseline: str = "envoy"
+    e2el_p99_ratio: float = 1.1
+    cpu_share: float = 0.9
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str = "bench"
+    description: str = ""
+    seed: int = 1
+    # Simulator
+    profile: str = "fast.yaml"
+    itl_ms: float = 10.0
+    itl_std_ms: float = 0.0
+    ttft_ms: float = 0.0
+    tokens_per_chunk: int = 1
+    # Routes and processor
+    routes: tuple[str, ...] = ROUTES
+    charge_modes: tuple[str, ...] = ("incremental",)
+    batch_tokens: tuple[int, ...] = (32,)
+    budget: Budget | None = None
+    # Load
+    mode: str = "closed"
+    levels: tuple[float, ...] = (1, 10, 50)
+    requests: int | None = 10
+    rounds: int = 3
+    duration_s: float | None = None
+    max_concurrency: int = 1000
+    prompt_tokens: Lengths = field(default_factory=lambda: Lengths("fixed", 20))
+    output_tokens: Lengths = field(default_factory=lambda: Lengths("fixed", 100))
+    warmup_requests: int = 4
+    timeout_s: float = 60.0
+    ceiling: Ceiling | None = None
+    # --target: an already running gateway, client-side figures only
+    target: str | None = None
+    api_key: str | None = None
+    model: str = "gpt-4.1"
+
+    @property
+    def variants(self) -> tuple[Variant, ...]:
+        return tuple(Variant(c, b) for c in self.charge_modes for b in self.batch_tokens)
+
+    @property
+    def route_names(self) -> tuple[str, ...]:
+        """Every route as it appears in the results (``processor`` once per variant)."""
+        if self.target is not None:
+            return ("target",)
+        out: list[str] = []
+        for route in self.routes:
+            out += (
+                [self.variant_route(v) for v in self.variants] if route == "processor" else [route]
+            )
+        return tuple(out)
+
+    def variant_route(self, variant: Variant) -> str:
+        """``processor`` when it runs with one configuration, else one name per variant."""
+        return "processor" if len(self.variants) == 1 else variant.name
+
+    def phase_requests(self, level: float) -> int | None:
+        """Requests per route at ``level`` (None: the phase runs for ``duration_s``)."""
+        if self.duration_s is not None:
+            return None
+        assert self.requests is not None
+        if self.mode == "closed":
+            return max(self.requests, self.rounds * int(level))
+        return max(self.requests, math.ceil(self.rounds * level))
+
+    def to_doc(self) -> dict[str, Any]:
+        """The scenario as a file would say it (``scenario.yaml`` in the results)."""
+        doc: dict[str, Any] = {
+            "name": self.name,
+            "description": self.description,
+            "seed": self.seed,
+            "simulator": {
+                "profile": self.profile,
+                "itl_ms": self.itl_ms,
+                "itl_std_ms": self.itl_std_ms,
+                "ttft_ms": self.ttft_ms,
+                "tokens_per_chunk": self.tokens_per_chunk,
+            },
+            "routes": list(self.routes),
+            "processor": {
+                "charge_modes": list(self.charge_modes),
+                "batch_tokens": list(self.batch_tokens),
+                "budget": None
+                if self.budget is None
+                else {"tpm": self.budget.tpm, "window_s": self.budget.window_s},
+            },
+            "load": {
+                "mode": self.mode,
+                "levels": [_number(x) for x in self.levels],
+                "requests": self.requests,
+                "rounds": self.rounds,
+                "duration_s": self.duration_s,
+                "max_concurrency": self.max_concurrency,
+                "prompt_tokens": self.prompt_tokens.to_doc(),
+                "output_tokens": self.output_tokens.to_doc(),
+                "warmup_requests": self.warmup_requests,
+                "timeout_s": self.timeout_s,
+                "ceiling": None if self.ceiling is None else dataclasses.asdict(self.ceiling),
+            },
+        }
+        if self.target is not None:
+            doc["target"] = {"url": self.target, "model": self.model}  # never the API key
+        return doc
+
+
+def _number(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else x
+
+
+# --- parsing --------------------------------------------------------------------------------
+
+
+def _mapping(value: object, key: str, allowed: set[str]) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ScenarioError(key, f"must be a mapping, got {type(value).__name__}")
+    unknown = sorted(str(k) for k in value if k not in allowed)
+    if unknown:
+        raise ScenarioError(
+            f"{key}.{unknown[0]}" if key else unknown[0],
+            f"unknown key (known: {', '.join(sorted(allowed))})",
+        )
+    return dict(value)
+
+
+def _int(value: object, key: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ScenarioError(key, f"must be an integer, got {value!r}")
+    if value < minimum:
+        raise ScenarioError(key, f"must be at least {minimum}, got {value}")
+    return value
+
+
+def _float(value: object, key: str, minimum: float = 0.0, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ScenarioError(key, f"must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < minimum or (positive and value <= 0):
+        bound = "greater than 0" if positive else f"at least {minimum:g}"
+        raise ScenarioError(key, f"must be {bound}, got {value:g}")
+    return value
+
+
+def _str(value: object, key: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ScenarioError(key, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _choice(value: object, key: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ScenarioError(key, f"must be one of {', '.join(choices)}, got {value!r}")
+    return str(value)
+
+
+def _list(value: object, key: str) -> list[Any]:
+    if isinstance(value, list | tuple):
+        if not value:
+            raise ScenarioError(key, "must not be empty")
+        return list(value)
+    return [value]  # one value stands for a list of one
+
+
+def _lengths(value: object, key: str) -> Lengths:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return Lengths("fixed", _int(value, key, 1))
+    doc = _mapping(value, key, {"dist", "value", "min", "max", "mean", "std"})
+    dist = _choice(doc.get("dist", "fixed"), f"{key}.dist", DISTRIBUTIONS)
+    if dist == "fixed":
+        return Lengths("fixed", _int(doc.get("value"), f"{key}.value", 1))
+    if dist == "uniform":
+        low = _int(doc.get("min"), f"{key}.min", 1)
+        high = _int(doc.get("max"), f"{key}.max", 1)
+        if high < low:
+            raise ScenarioError(f"{key}.max", f"must be at least min ({low}), got {high}")
+        return Lengths("uniform", low=low, high=high)
+    mean = _float(doc.get("mean"), f"{key}.mean", positive=True)
+    std = _float(doc.get("std", 0.0), f"{key}.std")
+    return Lengths("normal", mean=mean, std=std)
+
+
+# ``run``: what a results folder's scenario.yaml adds (versions, machine); ignored, so that
+# file can be run again as it is.
+TOP_KEYS = {
+    "name", "description", "seed", "simulator", "routes", "processor", "load", "target", "run",
+}  # fmt: skip
+
+
+def parse_scenario(doc: object, base: Scenario | None = None) -> Scenario:
+    """A validated scenario from a YAML document (keys not given keep ``base``'s values)."""
+    s = base or Scenario()
+    top = _mapping(doc, "", TOP_KEYS)
+    changes: dict[str, Any] = {}
+    if "name" in top:
+        changes["name"] = _str(top["name"], "name")
+    if "description" in top:
+        changes["description"] = str(top["description"] or "")
+    if "seed" in top:
+        changes["seed"] = _int(top["seed"], "seed")
+    sim = _mapping(
+        top.get("simulator"),
+        "simulator",
+        {"profile", "itl_ms", "itl_std_ms", "ttft_ms", "tokens_per_chunk"},
+    )
+    if "profile" in sim:
+        changes["profile"] = _str(sim["profile"], "simulator.profile")
+    for name in ("itl_ms", "itl_std_ms", "ttft_ms"):
+        if name in sim:
+            changes[name] = _float(sim[name], f"simulator.{name}")
+    if "tokens_per_chunk" in sim:
+        changes["tokens_per_chunk"] = _int(sim["tokens_per_chunk"], "simulator.tokens_per_chunk", 1)
+    if "routes" in top:
+        routes = [_choice(r, "routes", ROUTES) for r in _list(top["routes"], "routes")]
+        if len(set(routes)) != len(routes):
+            raise ScenarioError("routes", f"lists a route twice: {routes}")
+        changes["routes"] = tuple(routes)
+    proc = _mapping(top.get("processor"), "processor", {"charge_modes", "batch_tokens", "budget"})
+    if "charge_modes" in proc:
+        changes["charge_modes"] = tuple(
+            dict.fromkeys(
+                _choice(c, "processor.charge_modes", CHARGE_MODES)
+                for c in _list(proc["charge_modes"], "processor.charge_modes")
+            )
+        )
+    if "batch_tokens" in proc:
+        changes["batch_tokens"] = tuple(
+            dict.fromkeys(
+                _int(b, "processor.batch_tokens", 1)
+                for b in _list(proc["batch_tokens"], "processor.batch_tokens")
+            )
+        )
+    if "budget" in proc:
+        if proc["budget"] is None:
+            changes["budget"] = None
+        else:
+            budget = _mapping(proc["budget"], "processor.budget", {"tpm", "window_s"})
+            if "tpm" not in budget:
+                raise ScenarioError("processor.budget.tpm", "is required with a budget")
+            changes["budget"] = Budget(
+                _int(budget["tpm"], "processor.budget.tpm", 1),
+                _int(budget.get("window_s", 60), "processor.budget.window_s", 1),
+            )
+    load = _mapping(
+        top.get("load"),
+        "load",
+        {
+            "mode", "levels", "requests", "rounds", "duration_s", "max_concurrency",
+            "prompt_tokens", "output_tokens", "warmup_requests", "timeout_s", "ceiling",
+        },
+    )  # fmt: skip
+    if "mode" in load:
+        changes["mode"] = _choice(load["mode"], "load.mode", LOAD_MODES)
+    if "levels" in load:
+        changes["levels"] = tuple(
+            _number(_float(x, "load.levels", positive=True))
+            for x in _list(load["levels"], "load.levels")
+        )
+    if "requests" in load:
+        changes["requests"] = (
+            None if load["requests"] is None else _int(load["requests"], "load.requests", 1)
+        )
+    if "rounds" in load:
+        changes["rounds"] = _int(load["rounds"], "load.rounds", 0)
+    if "duration_s" in load:
+        changes["duration_s"] = (
+            None
+            if load["duration_s"] is None
+            else _float(load["duration_s"], "load.duration_s", positive=True)
+        )
+    # One of the two bounds a phase: giving one replaces the other.
+    if "duration_s" in load and "requests" not in load:
+        changes["requests"] = None
+    if "requests" in load and "duration_s" not in load:
+        changes["duration_s"] = None
+    if "max_concurrency" in load:
+        changes["max_concurrency"] = _int(load["max_concurrency"], "load.max_concurrency", 1)
+    for name in ("prompt_tokens", "output_tokens"):
+        if name in load:
+            changes[name] = _lengths(load[name], f"load.{name}")
+    if "warmup_requests" in load:
+        changes["warmup_requests"] = _int(load["warmup_requests"], "load.warmup_requests")
+    if "timeout_s" in load:
+        changes["timeout_s"] = _float(load["timeout_s"], "load.timeout_s", positive=True)
+    if "ceiling" in load:
+        if load["ceiling"] is None:
+            changes["ceiling"] = None
+        else:
+            c = _mapping(
+                load["ceiling"],
+                "load.ceiling",
+                {"route", "baseline", "e2el_p99_ratio", "cpu_share"},
+            )
+            default = Ceiling()
+            changes["ceiling"] = Ceiling(
+                _choice(c.get("route", default.route), "load.ceiling.route", ROUTES),
+                _choice(c.get("baseline", default.baseline), "load.ceiling.baseline", ROUTES),
+                _float(
+                    c.get("e2el_p99_ratio", default.e2el_p99_ratio),
+                    "load.ceiling.e2el_p99_ratio",
+                    positive=True,
+                ),
+                _float(
+                    c.get("cpu_share", default.cpu_share), "load.ceiling.cpu_share", positive=True
+                ),
+            )
+    if "target" in top:
+        target = _mapping(top["target"], "target", {"url", "model", "api_key"})
+        if "url" in target:
+            changes["target"] = _str(target["url"], "target.url")
+        if "model" in target:
+            changes["model"] = _str(target["model"], "target.model")
+        if "api_key" in target:
+            changes["api_key"] = _str(target["api_key"], "target.api_key")
+    return check(dataclasses.replace(s, **changes))
+
+
+def check(s: Scenario) -> Scenario:
+    """The rules between keys, after flags were applied too."""
+    if s.mode == "closed":
+        for level in s.levels:
+            if not float(level).is_integer():
+                raise ScenarioError("load.levels", f"closed-loop levels are stream counts: {level}")
+            if level > s.max_concurrency:
+                raise ScenarioError(
+                    "load.levels", f"{level:g} is above load.max_concurrency ({s.max_concurrency})"
+                )
+    if s.requests is None and s.duration_s is None:
+        raise ScenarioError("load.requests", "give load.requests or load.duration_s")
+    if s.requests is not None and s.duration_s is not None:
+        raise ScenarioError("load.duration_s", "give load.requests or load.duration_s, not both")
+    if s.itl_std_ms > 0.3 * s.itl_ms + 1e-12:
+        raise ScenarioError("simulator.itl_std_ms", "cannot be more than 30% of itl_ms")
+    if s.budget is not None and s.target is not None:
+        raise ScenarioError("processor.budget", "not with a target: its budgets are its own")
+    if s.budget is not None and "processor" not in s.routes:
+        raise ScenarioError("processor.budget", "needs the processor route in routes")
+    if s.ceiling is not None:
+        for key, route in (("route", s.ceiling.route), ("baseline", s.ceiling.baseline)):
+            if route not in s.routes:
+                raise ScenarioError(f"load.ceiling.{key}", f"{route!r} is not in routes")
+        if s.ceiling.route == s.ceiling.baseline:
+            raise ScenarioError("load.ceiling.baseline", "must differ from load.ceiling.route")
+        if len(s.variants) != 1:
+            raise ScenarioError("load.ceiling", "needs one processor configuration")
+        if list(s.levels) != sorted(s.levels):
+            raise ScenarioError("load.levels", "must rise for a ceiling search")
+    if s.target is None:
+        from loadlab.simulator import profile_path
+
+        try:
+            profile_path(s.profile)
+        except FileNotFoundError:
+            raise ScenarioError(
+                "simulator.profile", f"{s.profile!r} is neither in simulator_profiles/ nor a file"
+            ) from None
+    if s.target is not None and not s.target.startswith("http://"):
+        raise ScenarioError("target.url", f"must be an http:// URL, got {s.target!r}")
+    return s
+
+
+def load_scenario(path: Path) -> Scenario:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ScenarioError("scenario", f"cannot read {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise ScenarioError("scenario", f"{path} is not valid YAML{line}") from exc
+    return parse_scenario(doc if doc is not None else {})
