@@ -18,7 +18,7 @@ from loadlab.procs import ManagedProcess, free_port
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
-def _accepts_connections(port: int) -> bool:
+def accepts_connections(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2):
             return True
@@ -143,7 +143,7 @@ class RedisServer:
         process = ManagedProcess(argv, directory / f"redis-{port}.log")
         server = cls(process, port, password, ca_path)
         try:
-            process.wait_ready(lambda: _accepts_connections(port), timeout_s=15.0)
+            process.wait_ready(lambda: accepts_connections(port), timeout_s=15.0)
         except BaseException:
             process.stop()
             raise

@@ -20,8 +20,8 @@ from typing import Any
 
 import redis
 
+from loadlab.redis_server import REDIS_SERVER, accepts_connections
 from tests.support.procs import ManagedProcess, free_port
-from tests.support.redis_server import REDIS_SERVER, _accepts_connections
 
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 NODE_TIMEOUT_MS = 1000  # cluster-node-timeout: a dead master is failed over ~2-3 s later
@@ -92,7 +92,7 @@ def _start_server(directory: Path, port: int, extra: list[str]) -> Node:
     process = ManagedProcess(argv, directory / "redis.log")
     node = Node(port, process)
     try:
-        process.wait_ready(lambda: _accepts_connections(port), timeout_s=15.0)
+        process.wait_ready(lambda: accepts_connections(port), timeout_s=15.0)
     except BaseException:
         process.stop()
         raise
@@ -265,7 +265,7 @@ class SentinelSet:
                 process = ManagedProcess([REDIS_SERVER, str(conf), "--sentinel"], conf_dir / "log")
                 node = Node(port, process)
                 sentinels.append(node)
-                process.wait_ready(lambda port=port: _accepts_connections(port), timeout_s=15.0)
+                process.wait_ready(lambda port=port: accepts_connections(port), timeout_s=15.0)
             found = cls(data, sentinels, service)
             found.wait_ready()
             return found
