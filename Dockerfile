@@ -10,6 +10,7 @@ COPY pyproject.toml README.md ./
 COPY extproc ./extproc
 COPY llmsim ./llmsim
 COPY stack ./stack
+COPY loadlab ./loadlab
 RUN pip install --no-cache-dir . \
     && groupadd --system --gid 10001 extproc \
     && useradd --system --uid 10001 --gid 10001 --no-create-home extproc
