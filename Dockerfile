@@ -11,7 +11,10 @@ COPY extproc ./extproc
 COPY llmsim ./llmsim
 COPY stack ./stack
 COPY loadlab ./loadlab
+# xds-protos ships a stale copy of opentelemetry-proto's modules (grpc/grpc#42926): put the
+# real ones back (the OTLP span exporter needs them; a no-op when they are there).
 RUN pip install --no-cache-dir . \
+    && pip install --no-cache-dir --force-reinstall --no-deps "$(pip freeze | grep '^opentelemetry-proto==')" \
     && groupadd --system --gid 10001 extproc \
     && useradd --system --uid 10001 --gid 10001 --no-create-home extproc
 # Numeric, so Kubernetes' runAsNonRoot can check it.

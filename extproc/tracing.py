@@ -150,7 +150,15 @@ def tracer_from_env(env: Mapping[str, str] | None = None) -> Tracer | None:
             raise ValueError(
                 f"OTLP protocol {protocol!r}: this processor exports over http/protobuf"
             )
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError as exc:
+            # xds-protos ships a stale copy of opentelemetry-proto (grpc/grpc#42926).
+            raise RuntimeError(
+                f"the OTLP exporter cannot load ({exc}): xds-protos, installed after "
+                "opentelemetry-proto, replaced its modules; reinstall it with "
+                "'pip install --force-reinstall --no-deps opentelemetry-proto'"
+            ) from exc
 
         exporter = OTLPSpanExporter()
         provider.add_span_processor(BatchSpanProcessor(exporter))

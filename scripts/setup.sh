@@ -13,6 +13,13 @@ if ! .venv/bin/python -c "import extproc, llmsim, envoy.service.ext_proc.v3, ope
   .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]'
   touch .venv/.installed
 fi
+# xds-protos ships a stale copy of opentelemetry-proto's modules (grpc/grpc#42926): whichever
+# is installed last owns opentelemetry/proto/. The OTLP exporter needs the real ones.
+OTEL_PROTO_OK='from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope'
+if ! .venv/bin/python -c "$OTEL_PROTO_OK" 2>/dev/null; then
+  .venv/bin/pip install --quiet --disable-pip-version-check --force-reinstall --no-deps \
+    "$(.venv/bin/pip freeze | grep '^opentelemetry-proto==')"
+fi
 
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then

@@ -271,6 +271,9 @@ def test_processors_run_as_non_root(k8s_objects):
     assert pod["securityContext"]["runAsUser"] == uid
 
 
+OTEL_PROTO_REPAIR = "$(pip freeze | grep '^opentelemetry-proto==')"
+
+
 def _pip_installs(text: str) -> list[list[str]]:
     """The arguments of every `pip install` in shell text (line continuations joined)."""
     text = text.replace("\\\n", " ")
@@ -295,14 +298,21 @@ def test_dockerfile_installs_what_the_readme_documents():
     dockerfile = (ROOT / "Dockerfile").read_text()
     (base,) = re.findall(r"^FROM\s+python:(3\.\d+)\.\d+-slim", dockerfile, re.M)
     assert f">={base}" in PYPROJECT["project"]["requires-python"]
-    (install,) = _pip_installs("\n".join(re.findall(r"^RUN ((?:.*\\\n)*.*)", dockerfile, re.M)))
+    install, *repairs = _pip_installs(
+        "\n".join(re.findall(r"^RUN ((?:.*\\\n)*.*)", dockerfile, re.M))
+    )
     assert _targets(install) == ["."]
+    # Then only the documented repair of opentelemetry-proto's modules (README "Deploying").
+    assert [_targets(r) for r in repairs] == [[OTEL_PROTO_REPAIR]]
+    assert all({"--force-reinstall", "--no-deps"} <= set(r) for r in repairs)
+    assert f'"{OTEL_PROTO_REPAIR}"' in (ROOT / "README.md").read_text()
     for readme in (ROOT / "README.md", DEPLOY / "README.md"):
         text = readme.read_text()
         assert "pip install ." in text, readme
         assert f"Python {base}" in text, readme
-    (setup,) = _pip_installs((ROOT / "scripts" / "setup.sh").read_text())
+    setup, *repairs = _pip_installs((ROOT / "scripts" / "setup.sh").read_text())
     assert [t.split("[")[0] for t in _targets(setup)] == ["."]
+    assert len(repairs) == 1 and _targets(repairs[0])[0].endswith(OTEL_PROTO_REPAIR[7:])
     # The image holds the distribution's packages and no tests.
     copied = {c.split()[0] for c in re.findall(r"^COPY\s+(.*)$", dockerfile, re.M)}
     find = PYPROJECT["tool"]["setuptools"]["packages"]["find"]

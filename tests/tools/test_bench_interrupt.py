@@ -62,7 +62,8 @@ def test_a_signal_mid_run_stops_every_part(sig: int, tmp_path: Path) -> None:
     try:
         # The first phase has ended (its line is out): every part is up, streams are flowing.
         watch_until(proc, seen, lambda: "direct @ 1 streams:" in log.read_text())
-        assert len(seen) == PARTS, log.read_text()
+        # Every part is up now; a short-lived helper process (git, say) may be up beside them.
+        assert len(children(proc.pid)) >= PARTS, log.read_text()
         status = finish(proc, seen, sig)
     finally:
         if proc.poll() is None:
