@@ -274,17 +274,19 @@ _LABELLED: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
 
 
 class MetricsCollector(Collector):
-    """Everything in ``Metrics``, plus the info metric and live gauges, at scrape time."""
+    """Everything in ``Metrics``, plus the info metric and live readings, at scrape time."""
 
     def __init__(
         self,
         metrics: Metrics,
         info: Callable[[], dict[str, str]],
         gauges: dict[str, tuple[str, Callable[[], float]]] | None = None,
+        counters: dict[str, tuple[str, Callable[[], float]]] | None = None,
     ) -> None:
         self.metrics = metrics
         self.info = info
         self.gauges = gauges or {}
+        self.counters = counters or {}  # kept by other objects (names without _total)
 
     def collect(self) -> Iterator[Metric]:
         m = self.metrics
@@ -305,6 +307,8 @@ class MetricsCollector(Collector):
             yield family
         for name, (help_text, read) in self.gauges.items():
             yield GaugeMetricFamily(name, help_text, value=read())
+        for name, (help_text, read) in self.counters.items():
+            yield CounterMetricFamily(name, help_text, value=read())
         for histogram in m.histograms.values():
             yield histogram.family()
 

@@ -59,6 +59,17 @@ class Runtime:
                         lambda: len(self.open_sessions),
                     )
                 },
+                # The prompt counter outlives configuration reloads (``install``).
+                counters={
+                    "extproc_prompts_offloaded": (
+                        "Big prompts counted in the low-priority worker thread.",
+                        lambda: self.admission.prompts.offloaded,
+                    ),
+                    "extproc_prompts_sliced": (
+                        "Big prompts estimated in slices on the event loop.",
+                        lambda: self.admission.prompts.sliced,
+                    ),
+                },
             )
         )
         self.backend = (

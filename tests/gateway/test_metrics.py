@@ -96,6 +96,9 @@ def scraped(
     with pytest.raises(openai.RateLimitError):  # the 4th request in the window: RPM
         stream(gw, TEAM[0], 20)
     client(gw, TEAM[1]).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10)
+    # A prompt big enough to be counted in the worker thread (extproc.tokens.offload).
+    big = [{"role": "user", "content": "quota " * 8_000}]
+    client(gw, TEAM[1]).chat.completions.create(model=MODEL, messages=big, max_tokens=5)
     with pytest.raises(openai.APIError):  # the budget runs out mid-stream: a cut-off
         stream(gw, TINY, 1000)
     with pytest.raises(openai.AuthenticationError):
@@ -166,25 +169,27 @@ def test_no_metric_is_labelled_by_tenant(scraped: tuple[str, dict[str, Any]]) ->
 
 def test_verdicts_are_counted_by_model_plan_and_kind(scraped: tuple[str, dict[str, Any]]) -> None:
     text, _ = scraped
-    assert sample(text, "extproc_requests_admitted_total", model=MODEL, plan="team") == 4
+    assert sample(text, "extproc_requests_admitted_total", model=MODEL, plan="team") == 5
     assert sample(text, "extproc_requests_admitted_total", model=MODEL, plan="tiny") == 1
     assert sample(text, "extproc_requests_refused_total", plan="team", kind="rpm") == 1
     assert sample(text, "extproc_requests_refused_total") == 1
     assert sample(text, "extproc_requests_rejected_total", code="invalid_api_key") == 1
     assert sample(text, "extproc_requests_rejected_total") == 2
-    # Every admission that reached a verdict is timed once: 5 admitted + 1 refused.
-    assert sample(text, "extproc_admission_duration_seconds_count") == 6
-    assert sample(text, "extproc_prompt_count_duration_seconds_count", model=MODEL) == 6
+    # Every admission that reached a verdict is timed once: 6 admitted + 1 refused.
+    assert sample(text, "extproc_admission_duration_seconds_count") == 7
+    assert sample(text, "extproc_prompt_count_duration_seconds_count", model=MODEL) == 7
+    assert sample(text, "extproc_prompts_offloaded_total") == 1
+    assert sample(text, "extproc_prompts_sliced_total") == 0
 
 
 def test_settlements_and_cutoffs_are_counted_by_reason(
     scraped: tuple[str, dict[str, Any]],
 ) -> None:
     text, _ = scraped
-    assert sample(text, "extproc_settlements_total", plan="team", reason="completed") == 4
+    assert sample(text, "extproc_settlements_total", plan="team", reason="completed") == 5
     assert sample(text, "extproc_cutoffs_total", plan="tiny") == 1
     assert sample(text, "extproc_settlements_total", plan="tiny", reason="cutoff") == 1
-    assert sample(text, "extproc_settlements_total") == 5
+    assert sample(text, "extproc_settlements_total") == 6
     assert sample(text, "extproc_lease_batches_total", plan="tiny", result="refused") == 1
 
 
@@ -207,7 +212,7 @@ def test_every_message_and_quota_call_is_timed(scraped: tuple[str, dict[str, Any
     text, _ = scraped
     body = sample(text, "extproc_message_duration_seconds_count", phase="response_body")
     assert body == sample(text, "extproc_body_messages_total") > 0
-    assert sample(text, "extproc_message_duration_seconds_count", phase="request_headers") == 8
+    assert sample(text, "extproc_message_duration_seconds_count", phase="request_headers") == 9
     timed = sum(
         sample(text, "extproc_quota_backend_duration_seconds_count", operation=op)
         for op in ("admit", "reserve", "settle", "cancel")
