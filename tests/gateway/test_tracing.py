@@ -4,6 +4,7 @@ batch and the settlement. And off unless the OTEL_* variables turn it on."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 from collections.abc import Iterator
@@ -97,25 +98,23 @@ def traced(
         },
     }
     config = write_config(workdir / "quota.yaml", doc)
-    receiver = Receiver()
-    sim = Simulator(FAST_PROFILE, log_dir=workdir)
     env = {
         "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.port}/v1/traces",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "",  # set below, once the receiver has a port
         "OTEL_BSP_SCHEDULE_DELAY": "50",
         "OTEL_SERVICE_NAME": "extproc-under-test",
     }
-    processor = Processor.start(config, workdir, env=env)
-    try:
+    with contextlib.ExitStack() as stack:  # what started is stopped, whatever fails next
+        receiver = Receiver()
+        stack.callback(receiver.stop)
+        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = f"http://127.0.0.1:{receiver.port}/v1/traces"
+        sim = Simulator(FAST_PROFILE, log_dir=workdir)
+        stack.callback(sim.stop)
+        processor = Processor.start(config, workdir, env=env)
+        stack.callback(processor.stop)
         envoy = Envoy.start(workdir, [processor.port], [sim.port])
-    except Exception:
-        processor.stop()
-        raise
-    gw = Gateway(envoy, [processor])
-    yield gw, receiver
-    gw.stop()
-    sim.stop()
-    receiver.stop()
+        stack.callback(envoy.stop)
+        yield Gateway(envoy, [processor]), receiver
 
 
 def stream(gw: Gateway, tenant: int, max_tokens: int, headers: dict[str, str]) -> int:

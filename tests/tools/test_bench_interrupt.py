@@ -3,6 +3,8 @@ SIGTERM) mid-run or while the parts are still starting leaves no process behind.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -55,6 +57,23 @@ def finish(proc: subprocess.Popen[bytes], seen: set[int], sig: int) -> int:
     return proc.wait(5)
 
 
+def reap(proc: subprocess.Popen[bytes], seen: set[int]) -> None:
+    """A test that failed half-way still leaves nothing: the tool is asked to stop, then
+    killed, and so is every part of it still alive."""
+    if proc.poll() is None:
+        seen |= children(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    for pid in seen:
+        if alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_mid_run_stops_every_part(sig: int, tmp_path: Path) -> None:
     proc, log = start(tmp_path)
@@ -66,8 +85,7 @@ def test_a_signal_mid_run_stops_every_part(sig: int, tmp_path: Path) -> None:
         assert len(children(proc.pid)) >= PARTS, log.read_text()
         status = finish(proc, seen, sig)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        reap(proc, seen)
     assert status == 130, log.read_text()
     assert "interrupted; every part stopped" in log.read_text()
     assert [pid for pid in seen if alive(pid)] == []
@@ -80,8 +98,7 @@ def test_ctrl_c_while_parts_start_stops_those_already_started(tmp_path: Path) ->
         watch_until(proc, seen, lambda: len(seen) >= 2)  # the simulator and the first Envoy
         status = finish(proc, seen, signal.SIGINT)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        reap(proc, seen)
     assert status == 130, log.read_text()
     assert len(seen) >= 2
     assert [pid for pid in seen if alive(pid)] == []
