@@ -218,13 +218,18 @@ def _error_body(stream: TimedStream) -> bool | None:
     return isinstance(error, dict) and isinstance(error.get("message"), str)
 
 
-def classify(rec: dict[str, Any], spans: Sequence[tuple[float, float]], upstream: bool) -> str:
+def classify(
+    rec: dict[str, Any], spans: Sequence[tuple[float, float]], s: ChaosScenario
+) -> str:
     """complete / cut_clean / error_status / client_disconnect are well-formed;
-    reset_by_fault (the request overlapped a fault on the timeline) and reset_by_upstream
-    (the stream broke off mid-body while the simulator disconnects streams: Envoy resets
-    the client, as tests/gateway/test_chaos.py documents) are explained; the rest is
-    malformed."""
+    reset_by_fault (the request overlapped a fault on the timeline), reset_by_upstream (the
+    stream broke off mid-body while the simulator disconnects streams: Envoy resets the
+    client, as tests/gateway/test_chaos.py documents) and malformed_upstream (the
+    simulator's malformed event, which the processor counts and passes on as it came) are
+    explained; the rest is malformed."""
     detail = rec["detail"]
+    if detail == "bad_events" and s.malformed_rate > 0:
+        return "malformed_upstream"
     if detail == "client_closed":
         return "client_disconnect"
     if detail == "done":
@@ -237,7 +242,7 @@ def classify(rec: dict[str, Any], spans: Sequence[tuple[float, float]], upstream
                  for a, b in spans)  # fmt: skip
     if during and detail in ("status", "reset", "connect_failed", "timeout"):
         return "reset_by_fault"
-    if upstream and detail == "reset" and rec["status"] == 200:
+    if s.disconnect_rate > 0 and detail == "reset" and rec["status"] == 200:
         return "reset_by_upstream"
     return "malformed"
 
@@ -379,14 +384,16 @@ def write_all(
 def print_report(console: Console, summary: dict[str, Any], checks: list[Check]) -> None:
     t = Table(title="extproc chaos: requests by outcome")
     for h in ("requests", "complete", "cut_clean", "error_status", "client_disconnect",
-              "reset_by_fault", "reset_by_upstream", "malformed", "faults applied"):  # fmt: skip
+              "reset_by_fault", "reset_by_upstream", "malformed_upstream", "malformed",
+              "faults applied"):  # fmt: skip
         t.add_column(h, justify="right")
     o = summary["outcomes"]
     t.add_row(
         str(summary["requests"]),
         *(str(o.get(k, 0)) for k in ("complete", "cut_clean", "error_status",
                                       "client_disconnect", "reset_by_fault",
-                                      "reset_by_upstream", "malformed")),  # fmt: skip
+                                      "reset_by_upstream", "malformed_upstream",
+                                      "malformed")),  # fmt: skip
         ", ".join(f"{f['fault']}@{f['at_s']:.0f}s" for f in summary["faults"]) or "-",
     )
     console.print(t)
@@ -459,10 +466,9 @@ def main(argv: Sequence[str]) -> int:
     spans = [
         (f["at_s"], f["until_s"] if f["until_s"] is not None else f["at_s"]) for f in faults
     ]
-    upstream = s.disconnect_rate > 0
     records = sorted(load.records, key=lambda r: r["start_ns"])
     for rec in records:
-        rec["outcome"] = classify(rec, spans, upstream)
+        rec["outcome"] = classify(rec, spans, s)
     kills = list(parts.killed_at)
     checks = integrity(s, result, records, kills)
     w: Watcher = result["watcher"]

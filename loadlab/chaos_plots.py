@@ -18,7 +18,8 @@ CLASSES = (*WELL_FORMED, *EXCUSED, MALFORMED)
 COLOURS = {
     "complete": "tab:green", "cut_clean": "tab:olive", "error_status": "tab:orange",
     "client_disconnect": "tab:blue", "reset_by_fault": "tab:purple",
-    "reset_by_upstream": "tab:gray", "malformed": "tab:red",
+    "reset_by_upstream": "tab:gray", "malformed_upstream": "tab:brown",
+    "malformed": "tab:red",
 }  # fmt: skip
 
 

@@ -177,7 +177,9 @@ class _TimedSseProtocol(asyncio.Protocol):
         while (end := self.events.find(b"\n\n")) >= 0:
             event = self.events[:end]
             self.events = self.events[end + 2 :]
-            if TOKEN_EVENT_MARK in event or (
+            if self.validate and not _well_formed(event):
+                result.bad_events += 1  # not a token the client could read
+            elif TOKEN_EVENT_MARK in event or (
                 TEXT_EVENT_MARK in event and b'"text":""' not in event
             ):
                 result.arrivals.append(now)
@@ -197,8 +199,6 @@ class _TimedSseProtocol(asyncio.Protocol):
                     result.error_code = str(error.get("code") or error.get("type"))
                 except (orjson.JSONDecodeError, KeyError, AttributeError, TypeError):
                     result.error_code = "unreadable"
-            if self.validate and not _well_formed(event):
-                result.bad_events += 1
             if USAGE_MARK in event and b'"usage":{' in event:
                 tokens = _int_after(event, USAGE_MARK)
                 if tokens is not None:

@@ -32,7 +32,7 @@ from extproc.quota.keys import DEFAULT_PREFIX, heartbeat_key
 # Outcome classes a client can see; the last ones are never well-formed unless a fault
 # on the timeline (or the simulator's own disconnects) explains them.
 WELL_FORMED = ("complete", "cut_clean", "error_status", "client_disconnect")
-EXCUSED = ("reset_by_fault", "reset_by_upstream")
+EXCUSED = ("reset_by_fault", "reset_by_upstream", "malformed_upstream")
 MALFORMED = "malformed"
 
 
