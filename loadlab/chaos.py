@@ -36,6 +36,7 @@ from loadlab.faults import ChaosParts, tenant_api_key, tenant_name, usage
 from loadlab.integrity import (
     Check,
     Watcher,
+    allowed_open,
     check_budget,
     check_counters,
     check_open,
@@ -61,8 +62,12 @@ def parser() -> argparse.ArgumentParser:
         prog="extproc chaos",
         description="Chaos runs with an integrity report (README: 'Chaos runs: extproc chaos').",
     )
-    p.add_argument("scenario", nargs="?", type=Path,
-                   help="scenario YAML (default: benchmarks/chaos/default.yaml)")  # fmt: skip
+    p.add_argument(
+        "scenario",
+        nargs="?",
+        type=Path,
+        help="scenario YAML (default: benchmarks/chaos/default.yaml)",
+    )
     p.add_argument("--out", type=Path, help="results folder (default: results/<name>-<time>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar: plain lines")
     p.add_argument("--duration-s", type=float, help="override the scenario's duration_s")
@@ -218,9 +223,7 @@ def _error_body(stream: TimedStream) -> bool | None:
     return isinstance(error, dict) and isinstance(error.get("message"), str)
 
 
-def classify(
-    rec: dict[str, Any], spans: Sequence[tuple[float, float]], s: ChaosScenario
-) -> str:
+def classify(rec: dict[str, Any], spans: Sequence[tuple[float, float]], s: ChaosScenario) -> str:
     """complete / cut_clean / error_status / client_disconnect are well-formed;
     reset_by_fault (the request overlapped a fault on the timeline), reset_by_upstream (the
     stream broke off mid-body while the simulator disconnects streams: Envoy resets the
@@ -238,8 +241,7 @@ def classify(
         return "cut_clean"
     if detail == "status" and rec["error_body"]:
         return "error_status"
-    during = any(a - 0.5 <= rec["end_s"] and rec["start_s"] <= b + FAULT_GRACE_S
-                 for a, b in spans)  # fmt: skip
+    during = any(a - 0.5 <= rec["end_s"] and rec["start_s"] <= b + FAULT_GRACE_S for a, b in spans)
     if during and detail in ("status", "reset", "connect_failed", "timeout"):
         return "reset_by_fault"
     if s.disconnect_rate > 0 and detail == "reset" and rec["status"] == 200:
@@ -267,7 +269,7 @@ async def _drain(s: ChaosScenario, watcher: Watcher, parts: ChaosParts) -> float
     await asyncio.sleep(1.5)  # the watcher reads records once a second
     while time.monotonic() < deadline:
         left = watcher.open_records()
-        if all(any(k - 2.5 <= r.admitted_at_s <= k + 0.5 for k in parts.killed_at) for r in left):
+        if all(allowed_open(r.admitted_at_s, parts.killed_at) for r in left):
             break
         await asyncio.sleep(0.25)
     return time.monotonic() - started
@@ -299,9 +301,14 @@ async def _run(
             except OSError:
                 continue
     return {
-        "load": load, "watcher": watcher, "final": final, "before": before, "after": after,
-        "drain_s": drain_s, "metrics": metrics,
-    }  # fmt: skip
+        "load": load,
+        "watcher": watcher,
+        "final": final,
+        "before": before,
+        "after": after,
+        "drain_s": drain_s,
+        "metrics": metrics,
+    }
 
 
 class _Progress:
@@ -360,8 +367,11 @@ def write_all(
         for rec in records:
             f.write(orjson.dumps(rec) + b"\n")
     passed = all(c.passed for c in checks)
-    report = {"passed": passed, "failed": [c.name for c in checks if not c.passed],
-              "checks": [c.to_doc() for c in checks]}  # fmt: skip
+    report = {
+        "passed": passed,
+        "failed": [c.name for c in checks if not c.passed],
+        "checks": [c.to_doc() for c in checks],
+    }
     (out / "integrity.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     outcomes = Counter(r["outcome"] for r in records)
     summary = {
@@ -383,17 +393,35 @@ def write_all(
 
 def print_report(console: Console, summary: dict[str, Any], checks: list[Check]) -> None:
     t = Table(title="extproc chaos: requests by outcome")
-    for h in ("requests", "complete", "cut_clean", "error_status", "client_disconnect",
-              "reset_by_fault", "reset_by_upstream", "malformed_upstream", "malformed",
-              "faults applied"):  # fmt: skip
+    for h in (
+        "requests",
+        "complete",
+        "cut_clean",
+        "error_status",
+        "client_disconnect",
+        "reset_by_fault",
+        "reset_by_upstream",
+        "malformed_upstream",
+        "malformed",
+        "faults applied",
+    ):
         t.add_column(h, justify="right")
     o = summary["outcomes"]
     t.add_row(
         str(summary["requests"]),
-        *(str(o.get(k, 0)) for k in ("complete", "cut_clean", "error_status",
-                                      "client_disconnect", "reset_by_fault",
-                                      "reset_by_upstream", "malformed_upstream",
-                                      "malformed")),  # fmt: skip
+        *(
+            str(o.get(k, 0))
+            for k in (
+                "complete",
+                "cut_clean",
+                "error_status",
+                "client_disconnect",
+                "reset_by_fault",
+                "reset_by_upstream",
+                "malformed_upstream",
+                "malformed",
+            )
+        ),
         ", ".join(f"{f['fault']}@{f['at_s']:.0f}s" for f in summary["faults"]) or "-",
     )
     console.print(t)
@@ -463,9 +491,7 @@ def main(argv: Sequence[str]) -> int:
     load: Load = result["load"]
     origin = load.origin
     faults = [a.to_doc(origin) for a in parts.applied]
-    spans = [
-        (f["at_s"], f["until_s"] if f["until_s"] is not None else f["at_s"]) for f in faults
-    ]
+    spans = [(f["at_s"], f["until_s"] if f["until_s"] is not None else f["at_s"]) for f in faults]
     records = sorted(load.records, key=lambda r: r["start_ns"])
     for rec in records:
         rec["outcome"] = classify(rec, spans, s)
@@ -474,28 +500,35 @@ def main(argv: Sequence[str]) -> int:
     w: Watcher = result["watcher"]
     windows = sorted(
         (
-            {"tenant": x.tenant, "window_s": x.window_s, "start_s": round(x.start - origin, 3),
-             "window_start": x.start, "charged": x.value, "final": x.final}  # fmt: skip
+            {
+                "tenant": x.tenant,
+                "window_s": x.window_s,
+                "start_s": round(x.start - origin, 3),
+                "window_start": x.start,
+                "charged": x.value,
+                "final": x.final,
+            }
             for x in w.windows.values()
         ),
         key=lambda d: (d["tenant"], d["window_start"]),
     )
+    reasons = dict(sorted(Counter(e.get("reason", "") for e in w.ledger.values()).items()))
     info.update(
         wall_s=round(time.monotonic() - started, 1),
         drain_s=round(result["drain_s"], 2),
         redis_restarts=len(w.epochs) - 1,
         watcher_read_errors=w.read_errors,
         processor_metrics=processor_figures(result["metrics"]),
-        ledger_reasons=dict(sorted(Counter(e.get("reason", "") for e in w.ledger.values()).items())),
-        tamper=result["final"].get("tamper") and {
-            k: v for k, v in result["final"].items() if k != "live_owners"
-        },
+        ledger_reasons=reasons,
+        tamper=result["final"].get("tamper")
+        and {k: v for k, v in result["final"].items() if k != "live_owners"},
         finished_load_average=[round(x, 2) for x in os.getloadavg()],
     )
     report = write_all(out, s, info, records, checks, faults, windows)
     summary = orjson.loads((out / "summary.json").read_bytes())
     print_report(console, summary, checks)
-    verdict = "every invariant held" if report["passed"] else (
-        "FAILED: " + ", ".join(report["failed"]))  # fmt: skip
+    verdict = (
+        "every invariant held" if report["passed"] else ("FAILED: " + ", ".join(report["failed"]))
+    )
     console.print(f"integrity: {verdict}; results: {out} ({info['wall_s']:.0f}s)")
     return 0 if report["passed"] else 1

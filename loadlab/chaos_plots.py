@@ -16,19 +16,31 @@ from loadlab.integrity import EXCUSED, MALFORMED, WELL_FORMED
 
 CLASSES = (*WELL_FORMED, *EXCUSED, MALFORMED)
 COLOURS = {
-    "complete": "tab:green", "cut_clean": "tab:olive", "error_status": "tab:orange",
-    "client_disconnect": "tab:blue", "reset_by_fault": "tab:purple",
-    "reset_by_upstream": "tab:gray", "malformed_upstream": "tab:brown",
+    "complete": "tab:green",
+    "cut_clean": "tab:olive",
+    "error_status": "tab:orange",
+    "client_disconnect": "tab:blue",
+    "reset_by_fault": "tab:purple",
+    "reset_by_upstream": "tab:gray",
+    "malformed_upstream": "tab:brown",
     "malformed": "tab:red",
-}  # fmt: skip
+}
 
 
 def _faults(ax: Any, faults: Sequence[dict[str, Any]]) -> None:
     for i, f in enumerate(faults):
         end = f["until_s"] if f["until_s"] is not None else f["at_s"]
         ax.axvspan(f["at_s"], max(end, f["at_s"] + 0.2), color=f"C{i % 10}", alpha=0.15)
-        ax.text(f["at_s"], 0.98, f["fault"], rotation=90, va="top", ha="right", fontsize=7,
-                transform=ax.get_xaxis_transform())  # fmt: skip
+        ax.text(
+            f["at_s"],
+            0.98,
+            f["fault"],
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=7,
+            transform=ax.get_xaxis_transform(),
+        )
 
 
 def outcomes_over_time(
@@ -43,8 +55,7 @@ def outcomes_over_time(
         per = Counter(int(max(0.0, r["end_s"])) for r in records if r["outcome"] == cls)
         ys = [per.get(x, 0) for x in xs]
         if any(ys):
-            ax.bar(xs, ys, bottom=bottom, width=1.0, align="edge", label=cls,
-                   color=COLOURS[cls])  # fmt: skip
+            ax.bar(xs, ys, bottom=bottom, width=1.0, align="edge", label=cls, color=COLOURS[cls])
             bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
     _faults(ax, faults)
     ax.set_xlabel("s since the load started (by when each request ended)")

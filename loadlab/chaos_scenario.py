@@ -29,14 +29,22 @@ from loadlab.scenario import (
 )
 
 FAULTS = (
-    "redis_pause", "redis_kill", "redis_restart",
-    "processor_kill", "processor_term", "envoy_restart",
-)  # fmt: skip
+    "redis_pause",
+    "redis_kill",
+    "redis_restart",
+    "processor_kill",
+    "processor_term",
+    "envoy_restart",
+)
 # The failure types llm-d-inference-sim knows (``failure-types``).
 FAILURE_TYPES = (
-    "rate_limit", "invalid_api_key", "context_length", "server_error", "invalid_request",
+    "rate_limit",
+    "invalid_api_key",
+    "context_length",
+    "server_error",
+    "invalid_request",
     "model_not_found",
-)  # fmt: skip
+)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s)?\s*$")
 
 
@@ -172,9 +180,17 @@ def _rate(value: object, key: str) -> float:
 
 
 TOP_KEYS = {
-    "name", "description", "seed", "duration_s", "simulator", "processor", "load", "clients",
-    "faults", "run",
-}  # fmt: skip
+    "name",
+    "description",
+    "seed",
+    "duration_s",
+    "simulator",
+    "processor",
+    "load",
+    "clients",
+    "faults",
+    "run",
+}
 
 
 def parse_chaos(doc: object) -> ChaosScenario:
@@ -193,17 +209,30 @@ def parse_chaos(doc: object) -> ChaosScenario:
         top.get("simulator"),
         "simulator",
         {
-            "profile", "itl_ms", "ttft_ms", "failure_injection_rate", "failure_types",
-            "disconnect_rate", "stall_rate", "stall_s", "malformed_rate", "split_writes_rate",
+            "profile",
+            "itl_ms",
+            "ttft_ms",
+            "failure_injection_rate",
+            "failure_types",
+            "disconnect_rate",
+            "stall_rate",
+            "stall_s",
+            "malformed_rate",
+            "split_writes_rate",
         },
-    )  # fmt: skip
+    )
     if "profile" in sim:
         c["profile"] = _str(sim["profile"], "simulator.profile")
     for name in ("itl_ms", "ttft_ms"):
         if name in sim:
             c[name] = _float(sim[name], f"simulator.{name}")
-    for name in ("failure_injection_rate", "disconnect_rate", "stall_rate", "malformed_rate",
-                 "split_writes_rate"):  # fmt: skip
+    for name in (
+        "failure_injection_rate",
+        "disconnect_rate",
+        "stall_rate",
+        "malformed_rate",
+        "split_writes_rate",
+    ):
         if name in sim:
             c[name] = _rate(sim[name], f"simulator.{name}")
     if "stall_s" in sim:
@@ -217,10 +246,16 @@ def parse_chaos(doc: object) -> ChaosScenario:
         top.get("processor"),
         "processor",
         {
-            "count", "charge_mode", "batch_tokens", "budget", "tenants",
-            "stream_idle_timeout_s", "heartbeat_ttl_s", "orphan_sweep_s",
+            "count",
+            "charge_mode",
+            "batch_tokens",
+            "budget",
+            "tenants",
+            "stream_idle_timeout_s",
+            "heartbeat_ttl_s",
+            "orphan_sweep_s",
         },
-    )  # fmt: skip
+    )
     if "count" in proc:
         c["processors"] = _int(proc["count"], "processor.count", 1)
     if "charge_mode" in proc:
@@ -273,8 +308,9 @@ def parse_chaos(doc: object) -> ChaosScenario:
             bd = _mapping(b, key, {"at", "requests"})
             if "at" not in bd or "requests" not in bd:
                 raise ScenarioError(key, "needs at and requests")
-            bursts.append(Burst(_seconds(bd["at"], f"{key}.at"),
-                                _int(bd["requests"], f"{key}.requests", 1)))  # fmt: skip
+            bursts.append(
+                Burst(_seconds(bd["at"], f"{key}.at"), _int(bd["requests"], f"{key}.requests", 1))
+            )
         c["bursts"] = tuple(bursts)
     if "faults" in top:
         c["faults"] = tuple(_fault(f, f"faults[{i}]") for i, f in enumerate(top["faults"] or []))

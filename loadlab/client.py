@@ -236,7 +236,8 @@ async def timed_stream(
     loop = asyncio.get_running_loop()
     result = TimedStream(request_id)
     done: asyncio.Future[None] = loop.create_future()
-    transport, _ = await loop.create_connection(lambda: _TimedSseProtocol(result, done, close_after, validate), host, port
+    transport, _ = await loop.create_connection(
+        lambda: _TimedSseProtocol(result, done, close_after, validate), host, port
     )
     result.sent_ns = time.time_ns()
     result.sent_at = result.sent_ns / 1e9

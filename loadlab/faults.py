@@ -70,17 +70,27 @@ def processor_config(path: Path, s: ChaosScenario, redis_url: str) -> Path:
 
 def simulator_args(s: ChaosScenario) -> list[str]:
     args = [
-        "--inter-token-latency", f"{s.itl_ms}ms",
-        "--time-to-first-token", f"{s.ttft_ms}ms",
-        "--max-num-seqs", str(max(256, s.max_concurrency)),
-        "--seed", str(s.seed),
-        "--ext-disconnect-rate", f"{s.disconnect_rate:g}",
-        "--ext-stall-rate", f"{s.stall_rate:g}",
-        "--ext-stall-duration", f"{s.stall_s:g}s",
-        "--ext-malformed-event-rate", f"{s.malformed_rate:g}",
-        "--ext-split-writes-rate", f"{s.split_writes_rate:g}",
-        "--failure-injection-rate", f"{s.failure_injection_rate:g}",
-    ]  # fmt: skip
+        "--inter-token-latency",
+        f"{s.itl_ms}ms",
+        "--time-to-first-token",
+        f"{s.ttft_ms}ms",
+        "--max-num-seqs",
+        str(max(256, s.max_concurrency)),
+        "--seed",
+        str(s.seed),
+        "--ext-disconnect-rate",
+        f"{s.disconnect_rate:g}",
+        "--ext-stall-rate",
+        f"{s.stall_rate:g}",
+        "--ext-stall-duration",
+        f"{s.stall_s:g}s",
+        "--ext-malformed-event-rate",
+        f"{s.malformed_rate:g}",
+        "--ext-split-writes-rate",
+        f"{s.split_writes_rate:g}",
+        "--failure-injection-rate",
+        f"{s.failure_injection_rate:g}",
+    ]
     if s.failure_injection_rate:
         args += ["--failure-types", *s.failure_types]
     return args
@@ -171,9 +181,13 @@ class ChaosParts:
     def _processor(self, port: int | None = None) -> Processor:
         assert self.config is not None and self.redis is not None
         p = Processor.start(
-            self.config, self.workdir, self.redis.url, port=port,
-            drain_delay_s=HEALTH.drain_delay_s, log_level="info",
-        )  # fmt: skip
+            self.config,
+            self.workdir,
+            self.redis.url,
+            port=port,
+            drain_delay_s=HEALTH.drain_delay_s,
+            log_level="info",
+        )
         self._keep(p.process)
         return p
 
