@@ -258,7 +258,13 @@ async def _fault(parts: ChaosParts, origin: float, fault: Any, live: Live) -> No
         applied = await asyncio.to_thread(parts.apply, fault)
         live.note(f"  {fault.kind} at {applied.started_s - origin:.1f}s {applied.note}".rstrip())
     except (RuntimeError, TimeoutError, OSError) as exc:
-        live.note(f"  {fault.kind} failed: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+        # e.g. a processor restarted while Redis is away exits: the fault says so.
+        why = str(exc).strip().splitlines() or [repr(exc)]
+        text = why[0] if len(why) == 1 else f"{why[0]} {why[-1]}"
+        if parts.applied and parts.applied[-1].kind == fault.kind:
+            parts.applied[-1].note = f"failed: {text}"
+            parts.applied[-1].ended_s = parts.applied[-1].ended_s or time.time()
+        live.note(f"  {fault.kind} failed: {text}")
 
 
 async def _drain(s: ChaosScenario, watcher: Watcher, parts: ChaosParts) -> float:
@@ -286,8 +292,11 @@ async def _run(
         load = Load(s, parts, lambda rec: adv(_Progress(rec)))
         load.origin = time.time() + 0.2
         faults = [asyncio.create_task(_fault(parts, load.origin, f, live)) for f in s.faults]
-        await load.run()
-        await asyncio.gather(*faults)
+        try:
+            await load.run()
+            await asyncio.gather(*faults)
+        finally:  # also on Ctrl-C: a fault's thread mustn't hold the way out
+            parts.abort.set()
     live.note("  load done; waiting for every reservation to settle")
     drain_s = await _drain(s, watcher, parts)
     after = {pid: u for pid in parts.processor_pids() if (u := usage(pid)) is not None}

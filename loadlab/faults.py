@@ -140,6 +140,7 @@ class ChaosParts:
         self._lock = threading.Lock()  # a fault replaces a part while stop() may run
         self._everything: list[ManagedProcess] = []  # every process ever started, in order
         self.stopping = False
+        self.abort = threading.Event()  # the run is ending: a fault cuts its wait short
 
     @property
     def redis_url(self) -> str:
@@ -191,6 +192,10 @@ class ChaosParts:
         self._keep(p.process)
         return p
 
+    @property
+    def ending(self) -> bool:
+        return self.stopping or self.abort.is_set()
+
     def processor_pids(self) -> list[int]:
         return [p.process.pid for p in self.processors if p is not None]
 
@@ -219,7 +224,7 @@ class ChaosParts:
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not self.stopping:
+        while time.monotonic() < deadline and not self.ending:
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _redis_pause(self, f: Fault) -> None:
@@ -240,7 +245,7 @@ class ChaosParts:
         old.process.proc.wait(10)
         old.stop()
         self._sleep(down_s)
-        if not self.stopping:
+        if not self.ending:
             self.redis = RedisServer.start(self.workdir / "redis", port=old.port)
             self._keep(self.redis.process)
             a.note = f"restarted empty as pid {self.redis.pid}"
@@ -266,7 +271,7 @@ class ChaosParts:
         self.processors[f.index] = None
         if f.for_s:
             self._sleep(f.for_s)
-            if not self.stopping:
+            if not self.ending:
                 self.processors[f.index] = self._processor(port=p.port)
                 a.note = f"restarted as pid {self.processors[f.index].process.pid}"  # type: ignore[union-attr]
         a.ended_s = time.time()
@@ -283,7 +288,7 @@ class ChaosParts:
         a = self._record("envoy_restart", f"envoy pid {old.process.pid}")
         old.stop()
         self._sleep(f.for_s)
-        if not self.stopping:
+        if not self.ending:
             log = self.workdir / f"envoy-{old.ports.listen}-{len(self.applied)}.log"
             self.envoy = Envoy.launch(old.config_path, old.ports, log)
             self._keep(self.envoy.process)

@@ -21,8 +21,11 @@ TINY_CHAOS: dict[str, Any] = {
         "heartbeat_ttl_s": 1,
         "orphan_sweep_s": 0.5,
     },
-    "load": {"rate": 8, "prompt_tokens": 10, "output_tokens": {"dist": "uniform", "min": 20,
-                                                               "max": 60}},
+    "load": {
+        "rate": 8,
+        "prompt_tokens": 10,
+        "output_tokens": {"dist": "uniform", "min": 20, "max": 60},
+    },
     "clients": {"disconnect_rate": 10, "retries": 1, "backoff_s": "100ms"},
     "faults": [
         {"at": "1.5s", "fault": "redis_pause", "for": "1s"},

@@ -76,9 +76,7 @@ def test_the_figures_add_up(run: tuple[Path, subprocess.CompletedProcess[str]]) 
     once = checks["settled_exactly_once"]
     assert once["admitted"] > 0 and once["duplicates"] == 0
     # Every admitted request: settled once, left open (a SIGKILL's) or lost with Redis.
-    assert once["admitted"] == once["settled_once"] + once["open"] + once[
-        "lost_with_redis_restart"
-    ]
+    assert once["admitted"] == once["settled_once"] + once["open"] + once["lost_with_redis_restart"]
     assert checks["no_open_reservations"]["open_left"] == once["open"]
     assert checks["tokens_within_budget"]["max_charged_over_budget"] <= 1.0
     assert checks["counters_equal_ledger"]["windows_checked"] > 0
