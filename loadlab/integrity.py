@@ -191,8 +191,9 @@ class Watcher:
         tampered: dict[str, Any] = {}
         try:
             if tamper == "counter":
-                keys = [k async for k in client.scan_iter(match=f"{self.prefix}:{{*}}:c:tpm:*")]
-                key = max(keys, key=lambda k: int(k.rsplit(":", 1)[1]))
+                # The newest window seen: live, or expired (then INCRBY writes it again and
+                # the read below takes that value as its final one).
+                key = max(self.windows, key=lambda k: k[2])[0]
                 await client.incrby(key, 100_000)
                 tampered = {"tamper": "counter", "key": key, "by": 100_000}
             elif tamper == "ledger":
