@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.tools.chaos_support import TINY_CHAOS, chaos
-from tests.tools.conftest import write_scenario
+from tests.tools.conftest import ROOT, write_scenario
 
 
 @pytest.mark.parametrize(
@@ -50,3 +52,14 @@ def test_an_unknown_tamper_is_a_usage_error(tmp_path: Path) -> None:
     done = chaos("--tamper", "everything", "--out", tmp_path / "out")
     assert done.returncode == 2
     assert "--tamper" in done.stderr
+
+
+def test_chaos_is_listed_and_has_its_own_help() -> None:
+    listed = subprocess.run(
+        [sys.executable, "-m", "extproc", "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert "chaos" in listed.stdout
+    done = chaos("--help")
+    assert done.returncode == 0
+    assert "Chaos runs: extproc chaos" in done.stdout
+    assert "--tamper" not in done.stdout  # a test hook, not an option for users
