@@ -1,4 +1,5 @@
-"""``extproc serve``, ``check-config``, ``usage export|summary`` and ``bench`` (benchmarks)."""
+"""``extproc serve``, ``check-config``, ``usage export|summary``, ``bench`` (benchmarks) and
+``chaos`` (chaos runs with an integrity report)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ def _tool(name: str, argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    if name == "chaos":
+        from loadlab.chaos import main as chaos_main
+
+        return chaos_main(argv)
     from loadlab.bench import main as bench_main
 
     return bench_main(argv)
@@ -53,8 +58,8 @@ def _tool(name: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        return _tool("bench", argv[1:])
+    if argv and argv[0] in ("bench", "chaos"):
+        return _tool(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="extproc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the ext_proc gRPC server")
@@ -92,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     _usage_parser(sub)
     # Handled before parsing (its own parser, in the tools package); listed for --help.
     sub.add_parser("bench", help="streaming-latency benchmark runs (extproc bench --help)")
+    sub.add_parser("chaos", help="chaos runs with an integrity report (extproc chaos --help)")
     args = parser.parse_args(argv)
 
     if args.command == "usage":

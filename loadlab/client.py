@@ -59,6 +59,8 @@ class TimedStream:
     error_code: str | None = None  # an error event's code (e.g. a cut-off's)
     body: bytes = b""  # a non-streamed (error) response body, up to 4 KiB
     retry_after_s: float | None = None  # a refusal's Retry-After
+    bad_events: int = 0  # events neither ``data: <JSON>`` nor ``data: [DONE]`` (validate only)
+    client_closed: bool = False  # the client hung up itself after ``close_after`` events
 
 
 def chat_request(
@@ -78,12 +80,33 @@ def chat_request(
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
+def _well_formed(event: bytes) -> bool:
+    """One SSE event as OpenAI sends them: ``data: [DONE]`` or ``data: `` + a JSON object."""
+    if not event.startswith(b"data: "):
+        return False
+    payload = event[6:]
+    if payload == b"[DONE]":
+        return True
+    try:
+        return isinstance(orjson.loads(payload), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
 class _TimedSseProtocol(asyncio.Protocol):
     """Status line, headers, chunked transfer decoding, SSE event split — incrementally."""
 
-    def __init__(self, result: TimedStream, done: asyncio.Future[None]) -> None:
+    def __init__(
+        self,
+        result: TimedStream,
+        done: asyncio.Future[None],
+        close_after: int | None = None,
+        validate: bool = False,
+    ) -> None:
         self.result = result
         self.done = done
+        self.close_after = close_after
+        self.validate = validate
         self.transport: asyncio.Transport | None = None
         self.raw = b""  # undecoded bytes: headers, then chunk framing
         self.headers_done = False
@@ -154,7 +177,9 @@ class _TimedSseProtocol(asyncio.Protocol):
         while (end := self.events.find(b"\n\n")) >= 0:
             event = self.events[:end]
             self.events = self.events[end + 2 :]
-            if TOKEN_EVENT_MARK in event or (
+            if self.validate and not _well_formed(event):
+                result.bad_events += 1  # not a token the client could read
+            elif TOKEN_EVENT_MARK in event or (
                 TEXT_EVENT_MARK in event and b'"text":""' not in event
             ):
                 result.arrivals.append(now)
@@ -162,6 +187,10 @@ class _TimedSseProtocol(asyncio.Protocol):
                 stamp = _int_after(event, STAMP_MARK)
                 if stamp is not None:
                     result.stamps_ns.append(stamp)
+                if self.close_after is not None and len(result.arrivals_ns) >= self.close_after:
+                    result.client_closed = True
+                    self._finish()
+                    return
             elif event == b"data: [DONE]":
                 result.saw_done = True
             elif ERROR_MARK in event:
@@ -194,16 +223,22 @@ async def timed_stream(
     request_id: str,
     timeout_s: float | None = None,
     host: str = "127.0.0.1",
+    close_after: int | None = None,
+    validate: bool = False,
 ) -> TimedStream:
     """One request on a fresh connection; the connect happens before the send time.
 
     ``timeout_s``: give up on a response not finished that long after the send; the stream
-    comes back with ``timed_out`` set and what had arrived so far.
+    comes back with ``timed_out`` set and what had arrived so far. ``close_after``: hang
+    up after that many token events (a client that goes away mid-stream); ``validate``:
+    count the events that aren't well-formed (``bad_events``).
     """
     loop = asyncio.get_running_loop()
     result = TimedStream(request_id)
     done: asyncio.Future[None] = loop.create_future()
-    transport, _ = await loop.create_connection(lambda: _TimedSseProtocol(result, done), host, port)
+    transport, _ = await loop.create_connection(
+        lambda: _TimedSseProtocol(result, done, close_after, validate), host, port
+    )
     result.sent_ns = time.time_ns()
     result.sent_at = result.sent_ns / 1e9
     transport.write(request)

@@ -1,0 +1,543 @@
+"""``extproc chaos``: a steady load through Envoy and N processors while the simulator fails,
+clients misbehave and a timeline of faults hits Redis, the processors and Envoy; then an
+integrity report, one row per invariant.
+
+    extproc chaos [SCENARIO.yaml] [--out DIR] [--quiet] [--duration-s S] [--rate R]
+
+Exit status: 0 every invariant held, 1 one failed (or a part failed), 2 a bad scenario or
+flag, 130 interrupted. README: "Chaos runs: extproc chaos".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from loadlab.chaos_scenario import ChaosScenario, load_chaos, parse_chaos
+from loadlab.client import TimedStream, chat_request, timed_stream
+from loadlab.engine import CHAT_OVERHEAD, WORD
+from loadlab.faults import ChaosParts, tenant_api_key, tenant_name, usage
+from loadlab.integrity import (
+    Check,
+    Watcher,
+    allowed_open,
+    check_budget,
+    check_counters,
+    check_open,
+    check_outcomes,
+    check_resources,
+    check_settled_once,
+)
+from loadlab.parts import CHAT_PATH
+from loadlab.report import Live, machine_info
+from loadlab.rig import MODEL
+from loadlab.scenario import ScenarioError
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SCENARIO = ROOT / "benchmarks" / "chaos" / "default.yaml"
+# After a fault ends, how long its effects may still show (Envoy's health checks need two
+# failed checks half a second apart to drop a dead processor, and one more to take it back).
+FAULT_GRACE_S = 2.0
+TAMPERS = ("counter", "ledger")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="extproc chaos",
+        description="Chaos runs with an integrity report (README: 'Chaos runs: extproc chaos').",
+    )
+    p.add_argument(
+        "scenario",
+        nargs="?",
+        type=Path,
+        help="scenario YAML (default: benchmarks/chaos/default.yaml)",
+    )
+    p.add_argument("--out", type=Path, help="results folder (default: results/<name>-<time>)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar: plain lines")
+    p.add_argument("--duration-s", type=float, help="override the scenario's duration_s")
+    p.add_argument("--rate", type=float, help="override load.rate (requests/s)")
+    p.add_argument("--seed", type=int)
+    # A test hook: breaks one invariant in Redis after the run, before the checks, so a
+    # test can prove the report fails. Never a switch of the processor.
+    p.add_argument("--tamper", choices=TAMPERS, help=argparse.SUPPRESS)
+    return p
+
+
+def build(args: argparse.Namespace) -> ChaosScenario:
+    path = args.scenario or DEFAULT_SCENARIO
+    s = load_chaos(path)
+    doc = s.to_doc()
+    if args.duration_s is not None:
+        doc["duration_s"] = args.duration_s
+    if args.rate is not None:
+        doc["load"]["rate"] = args.rate
+    if args.seed is not None:
+        doc["seed"] = args.seed
+    return parse_chaos(doc) if doc != s.to_doc() else s
+
+
+# --- load -------------------------------------------------------------------------------
+
+
+class Load:
+    def __init__(self, s: ChaosScenario, parts: ChaosParts, live_advance: Any) -> None:
+        self.s = s
+        self.parts = parts
+        self.records: list[dict[str, Any]] = []
+        self.advance = live_advance
+        self.origin = 0.0
+        self._cap = asyncio.Semaphore(s.max_concurrency)
+
+    async def _attempt(self, index: int, attempt: int, rng: random.Random) -> dict[str, Any]:
+        s = self.s
+        tenant = index % s.tenants
+        words = s.prompt_tokens.draw(rng)
+        asked = s.output_tokens.draw(rng)
+        close_after = None
+        if rng.random() * 100 < s.client_disconnect_rate:
+            close_after = rng.randint(1, max(1, asked // 2))
+        payload = {
+            "model": MODEL,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": (WORD * words).strip()}],
+            "max_tokens": asked,
+            "ignore_eos": True,
+        }
+        rid = f"chaos-{index}-{attempt}-{time.time_ns()}"
+        request = chat_request(CHAT_PATH, payload, rid, tenant_api_key(tenant), host="chaos")
+        try:
+            stream = await timed_stream(
+                self.parts.port, request, rid, s.timeout_s, close_after=close_after, validate=True
+            )
+        except OSError:
+            stream = TimedStream(rid, sent_ns=time.time_ns())
+        end = time.time()
+        return {
+            "request_id": rid,
+            "tenant": tenant_name(tenant),
+            "index": index,
+            "attempt": attempt,
+            "start_s": round(stream.sent_ns / 1e9 - self.origin, 4),
+            "end_s": round(end - self.origin, 4),
+            "start_ns": stream.sent_ns,
+            "status": stream.status,
+            "outcome": "",  # classified once the fault timeline is known
+            "detail": _detail(stream),
+            "prompt_tokens": stream.prompt_tokens or words + CHAT_OVERHEAD,
+            "max_tokens": asked,
+            "output_tokens": min(asked, len(stream.arrivals_ns)),
+            "events": len(stream.arrivals_ns),
+            "error_code": stream.error_code,
+            "error_body": _error_body(stream),
+            "bad_events": stream.bad_events,
+            "client_closed": stream.client_closed,
+            "retry_after_s": stream.retry_after_s,
+        }
+
+    async def request(self, index: int) -> None:
+        rng = random.Random(f"{self.s.seed}-{index}")
+        async with self._cap:
+            for attempt in range(self.s.retries + 1):
+                rec = await self._attempt(index, attempt, rng)
+                self.records.append(rec)
+                self.advance(rec)
+                retryable = rec["status"] in (0, 429, 503) and not rec["client_closed"]
+                if not retryable or attempt == self.s.retries:
+                    return
+                pause = self.s.backoff_s * 2**attempt
+                if rec["retry_after_s"] is not None:
+                    pause = max(pause, min(rec["retry_after_s"], 2.0))
+                await asyncio.sleep(pause)
+
+    async def run(self) -> None:
+        s = self.s
+        arrivals = random.Random(f"{s.seed}-arrivals")
+        tasks: list[asyncio.Task[None]] = []
+        index = 0
+
+        async def burst(at_s: float, count: int) -> None:
+            nonlocal index
+            await asyncio.sleep(max(0.0, self.origin + at_s - time.time()))
+            for _ in range(count):
+                tasks.append(asyncio.create_task(self.request(index)))
+                index += 1
+
+        bursts = [asyncio.create_task(burst(b.at_s, b.requests)) for b in s.bursts]
+        next_at = self.origin
+        end = self.origin + s.duration_s
+        while next_at < end:
+            delay = next_at - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(self.request(index)))
+            index += 1
+            next_at += arrivals.expovariate(s.rate)
+        await asyncio.gather(*bursts)
+        await asyncio.gather(*tasks)
+
+
+def _detail(stream: TimedStream) -> str:
+    if stream.client_closed:
+        return "client_closed"
+    if stream.status == 0:
+        return "timeout" if stream.timed_out else "connect_failed"
+    if stream.status != 200:
+        return "status"
+    if stream.bad_events:
+        return "bad_events"
+    if stream.timed_out:
+        return "timeout"
+    if not stream.complete:
+        return "reset"
+    if stream.error_code is not None:
+        return "error_event"
+    return "done" if stream.saw_done else "no_done"
+
+
+def _error_body(stream: TimedStream) -> bool | None:
+    """An OpenAI-style error body: ``{"error": {"message": ...}}`` (None: not an error)."""
+    if stream.status in (0, 200):
+        return None
+    try:
+        doc = orjson.loads(stream.body)
+    except orjson.JSONDecodeError:
+        return False
+    error = doc.get("error") if isinstance(doc, dict) else None
+    return isinstance(error, dict) and isinstance(error.get("message"), str)
+
+
+def classify(rec: dict[str, Any], spans: Sequence[tuple[float, float]], s: ChaosScenario) -> str:
+    """complete / cut_clean / error_status / client_disconnect are well-formed;
+    reset_by_fault (the request overlapped a fault on the timeline), reset_by_upstream (the
+    stream broke off mid-body while the simulator disconnects streams: Envoy resets the
+    client, as tests/gateway/test_chaos.py documents) and malformed_upstream (the
+    simulator's malformed event, which the processor counts and passes on as it came) are
+    explained; the rest is malformed."""
+    detail = rec["detail"]
+    if detail == "bad_events" and s.malformed_rate > 0:
+        return "malformed_upstream"
+    if detail == "client_closed":
+        return "client_disconnect"
+    if detail == "done":
+        return "complete"
+    if detail == "error_event":
+        return "cut_clean"
+    if detail == "status" and rec["error_body"]:
+        return "error_status"
+    during = any(a - 0.5 <= rec["end_s"] and rec["start_s"] <= b + FAULT_GRACE_S for a, b in spans)
+    if during and detail in ("status", "reset", "connect_failed", "timeout"):
+        return "reset_by_fault"
+    if s.disconnect_rate > 0 and detail == "reset" and rec["status"] == 200:
+        return "reset_by_upstream"
+    return "malformed"
+
+
+# --- the run ----------------------------------------------------------------------------
+
+
+async def _fault(parts: ChaosParts, origin: float, fault: Any, live: Live) -> None:
+    await asyncio.sleep(max(0.0, origin + fault.at_s - time.time()))
+    try:
+        applied = await asyncio.to_thread(parts.apply, fault)
+        live.note(f"  {fault.kind} at {applied.started_s - origin:.1f}s {applied.note}".rstrip())
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        # e.g. a processor restarted while Redis is away exits: the fault says so.
+        why = str(exc).strip().splitlines() or [repr(exc)]
+        text = why[0] if len(why) == 1 else f"{why[0]} {why[-1]}"
+        if parts.applied and parts.applied[-1].kind == fault.kind:
+            parts.applied[-1].note = f"failed: {text}"
+            parts.applied[-1].ended_s = parts.applied[-1].ended_s or time.time()
+        live.note(f"  {fault.kind} failed: {text}")
+
+
+async def _drain(s: ChaosScenario, watcher: Watcher, parts: ChaosParts) -> float:
+    """Wait until every reservation is settled, or all that stay open are a SIGKILL's
+    (allowed), within the orphan sweep's time: heartbeat TTL + sweeps + registration."""
+    started = time.monotonic()
+    deadline = started + s.heartbeat_ttl_s + 4 * s.orphan_sweep_s + s.stream_idle_timeout_s + 6
+    await asyncio.sleep(1.5)  # the watcher reads records once a second
+    while time.monotonic() < deadline:
+        left = watcher.open_records()
+        if all(allowed_open(r.admitted_at_s, parts.killed_at) for r in left):
+            break
+        await asyncio.sleep(0.25)
+    return time.monotonic() - started
+
+
+async def _run(
+    s: ChaosScenario, parts: ChaosParts, live: Live, tamper: str | None
+) -> dict[str, Any]:
+    before = {pid: u for pid in parts.processor_pids() if (u := usage(pid)) is not None}
+    watcher = Watcher(parts.redis_url)
+    watcher.start()
+    total = None
+    with live.phase(f"chaos {s.name}: {s.duration_s:g}s at {s.rate:g} req/s", total) as adv:
+        load = Load(s, parts, lambda rec: adv(_Progress(rec)))
+        load.origin = time.time() + 0.2
+        faults = [asyncio.create_task(_fault(parts, load.origin, f, live)) for f in s.faults]
+        try:
+            await load.run()
+            await asyncio.gather(*faults)
+        finally:  # also on Ctrl-C: a fault's thread mustn't hold the way out
+            parts.abort.set()
+    live.note("  load done; waiting for every reservation to settle")
+    drain_s = await _drain(s, watcher, parts)
+    after = {pid: u for pid in parts.processor_pids() if (u := usage(pid)) is not None}
+    await watcher.stop()
+    final = await watcher.final_read(tamper)
+    metrics = []
+    for p in parts.processors:
+        if p is not None:
+            try:
+                metrics.append(p.metrics())
+            except OSError:
+                continue
+    return {
+        "load": load,
+        "watcher": watcher,
+        "final": final,
+        "before": before,
+        "after": after,
+        "drain_s": drain_s,
+        "metrics": metrics,
+    }
+
+
+class _Progress:
+    """What ``Live.phase``'s advance reads: a request's outcome, ok or not."""
+
+    def __init__(self, rec: dict[str, Any]) -> None:
+        self.outcome = "ok" if rec["detail"] in ("done", "client_closed", "error_event") else "x"
+
+
+def integrity(
+    s: ChaosScenario, result: dict[str, Any], records: list[dict[str, Any]], kills: list[float]
+) -> list[Check]:
+    w: Watcher = result["watcher"]
+    settled, lost = check_settled_once(w, kills)
+    return [
+        check_budget(w, s.tpm, records),
+        settled,
+        check_open(w, kills, result["final"]["live_owners"]),
+        check_counters(w, lost, s.timeout_s, kills),
+        check_outcomes(records),
+        check_resources(result["before"], result["after"]),
+    ]
+
+
+def processor_figures(metrics: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """Summed over the processors alive at the end (a killed one's counts died with it)."""
+
+    def total(name: str) -> int:
+        return int(sum(m.get(name, 0.0) for m in metrics))
+
+    reasons = ("completed", "cutoff", "disconnect", "upstream_error", "timeout", "shutdown")
+    return {
+        "processors": len(metrics),
+        "admitted": total("extproc_requests_admitted_total"),
+        "refused": total("extproc_requests_refused_total"),
+        "cutoffs": total("extproc_cutoffs_total"),
+        "orphan_settlements": total("extproc_orphan_settlements_total"),
+        "malformed_events": total("extproc_malformed_events_total"),
+        "settlements": {r: total(f'extproc_settlements_total{{reason="{r}"}}') for r in reasons},
+    }
+
+
+def write_all(
+    out: Path,
+    s: ChaosScenario,
+    info: dict[str, Any],
+    records: list[dict[str, Any]],
+    checks: list[Check],
+    faults: list[dict[str, Any]],
+    windows: list[dict[str, Any]],
+) -> dict[str, Any]:
+    from loadlab.chaos_plots import write_chaos_plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "records.jsonl", "wb") as f:
+        for rec in records:
+            f.write(orjson.dumps(rec) + b"\n")
+    passed = all(c.passed for c in checks)
+    report = {
+        "passed": passed,
+        "failed": [c.name for c in checks if not c.passed],
+        "checks": [c.to_doc() for c in checks],
+    }
+    (out / "integrity.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    outcomes = Counter(r["outcome"] for r in records)
+    summary = {
+        "scenario": s.to_doc(),
+        "run": info,
+        "requests": len(records),
+        "outcomes": dict(sorted(outcomes.items())),
+        "faults": faults,
+        "windows": windows,
+        "integrity": {"passed": passed, "failed": report["failed"]},
+    }
+    (out / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    (out / "scenario.yaml").write_text(
+        yaml.safe_dump({**s.to_doc(), "run": info}, sort_keys=False, allow_unicode=True)
+    )
+    write_chaos_plots(records, faults, windows, s.tpm, out / "plots")
+    return report
+
+
+def print_report(console: Console, summary: dict[str, Any], checks: list[Check]) -> None:
+    t = Table(title="extproc chaos: requests by outcome")
+    for h in (
+        "requests",
+        "complete",
+        "cut_clean",
+        "error_status",
+        "client_disconnect",
+        "reset_by_fault",
+        "reset_by_upstream",
+        "malformed_upstream",
+        "malformed",
+        "faults applied",
+    ):
+        t.add_column(h, justify="right")
+    o = summary["outcomes"]
+    t.add_row(
+        str(summary["requests"]),
+        *(
+            str(o.get(k, 0))
+            for k in (
+                "complete",
+                "cut_clean",
+                "error_status",
+                "client_disconnect",
+                "reset_by_fault",
+                "reset_by_upstream",
+                "malformed_upstream",
+                "malformed",
+            )
+        ),
+        ", ".join(f"{f['fault']}@{f['at_s']:.0f}s" for f in summary["faults"]) or "-",
+    )
+    console.print(t)
+    it = Table(title="integrity: one row per invariant")
+    it.add_column("invariant")
+    it.add_column("result")
+    it.add_column("figures")
+    for c in checks:
+        it.add_row(c.name, "[green]PASS[/]" if c.passed else "[red]FAIL[/]", escape(c.summary))
+    console.print(it)
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+def _shield() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parser().parse_args(list(argv))
+    try:
+        s = build(args)
+    except ScenarioError as exc:
+        print(f"extproc chaos: invalid scenario: {exc}", file=sys.stderr)
+        return 2
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    out: Path = args.out or Path("results") / f"chaos-{s.name}-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    started = time.monotonic()
+    info: dict[str, Any] = {"started_utc": stamp, "machine": machine_info()}
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    parts = ChaosParts(s, out / "logs")
+    try:
+        with Live(args.quiet) as live:
+            live.note(
+                f"extproc chaos {s.name}: {s.processors} processors, {s.tenants} tenants at "
+                f"{s.tpm} tokens per {s.window_s}s, {len(s.faults)} faults; load average "
+                f"{os.getloadavg()[0]:.1f}; results in {out}"
+            )
+            parts.start()
+            result = asyncio.run(_run(s, parts, live, args.tamper))
+    except (KeyboardInterrupt, _Terminated):
+        _shield()
+        parts.stop()
+        print("extproc chaos: interrupted; every part stopped", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        _shield()
+        parts.stop()
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
+        why = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+        print(f"extproc chaos: {why}\n  (part logs in {out / 'logs'})", file=sys.stderr)
+        return 1
+    finally:
+        _shield()
+        parts.stop()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, previous)
+    load: Load = result["load"]
+    origin = load.origin
+    faults = [a.to_doc(origin) for a in parts.applied]
+    spans = [(f["at_s"], f["until_s"] if f["until_s"] is not None else f["at_s"]) for f in faults]
+    records = sorted(load.records, key=lambda r: r["start_ns"])
+    for rec in records:
+        rec["outcome"] = classify(rec, spans, s)
+    kills = list(parts.killed_at)
+    checks = integrity(s, result, records, kills)
+    w: Watcher = result["watcher"]
+    windows = sorted(
+        (
+            {
+                "tenant": x.tenant,
+                "window_s": x.window_s,
+                "start_s": round(x.start - origin, 3),
+                "window_start": x.start,
+                "charged": x.value,
+                "final": x.final,
+            }
+            for x in w.windows.values()
+        ),
+        key=lambda d: (d["tenant"], d["window_start"]),
+    )
+    reasons = dict(sorted(Counter(e.get("reason", "") for e in w.ledger.values()).items()))
+    info.update(
+        wall_s=round(time.monotonic() - started, 1),
+        drain_s=round(result["drain_s"], 2),
+        redis_restarts=len(w.epochs) - 1,
+        watcher_read_errors=w.read_errors,
+        processor_metrics=processor_figures(result["metrics"]),
+        ledger_reasons=reasons,
+        tamper=result["final"].get("tamper")
+        and {k: v for k, v in result["final"].items() if k != "live_owners"},
+        finished_load_average=[round(x, 2) for x in os.getloadavg()],
+    )
+    report = write_all(out, s, info, records, checks, faults, windows)
+    summary = orjson.loads((out / "summary.json").read_bytes())
+    print_report(console, summary, checks)
+    verdict = (
+        "every invariant held" if report["passed"] else ("FAILED: " + ", ".join(report["failed"]))
+    )
+    console.print(f"integrity: {verdict}; results: {out} ({info['wall_s']:.0f}s)")
+    return 0 if report["passed"] else 1

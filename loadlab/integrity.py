@@ -1,0 +1,472 @@
+"""The integrity report of a chaos run: what Redis held over the run, and the invariants.
+
+``Watcher`` reads Redis while the run goes on, because what the checks need does not all
+last until the end: a counter window expires two seconds after it ends, a settled
+reservation record after two minutes, and a Redis that restarts (persistence off) comes
+back empty. It keeps
+
+* every counter window's last value read, and whether a read came after the window ended
+  (an ended window is frozen: admissions, leases and refunds only touch the current one),
+  so that value is final;
+* every reservation record seen (admitted or not, open or settled, owner, admission time);
+* every usage-ledger entry seen, by entry id.
+
+Each read is tagged with Redis's ``run_id`` (an "epoch"): a restart is seen as a new one.
+``check`` then turns it and the client's records into one row per invariant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from extproc.quota.keys import DEFAULT_PREFIX, heartbeat_key
+
+# Outcome classes a client can see; the last ones are never well-formed unless a fault
+# on the timeline (or the simulator's own disconnects) explains them.
+WELL_FORMED = ("complete", "cut_clean", "error_status", "client_disconnect")
+EXCUSED = ("reset_by_fault", "reset_by_upstream", "malformed_upstream")
+MALFORMED = "malformed"
+# A processor registers its open reservations for the orphan sweep every 2 s (README
+# "Quota semantics"): those admitted in its last 2 s before a SIGKILL may stay open. One
+# more second for a registration the machine's load delayed.
+UNREGISTERED_S = 2.0 + 1.0
+
+
+def allowed_open(admitted_at_s: float, kills: Sequence[float]) -> bool:
+    """Admitted in a SIGKILLed processor's last seconds, before it registered the record."""
+    return any(k - UNREGISTERED_S <= admitted_at_s <= k + 0.5 for k in kills)
+
+
+@dataclass
+class Window:
+    tenant: str
+    window_s: int
+    start: int
+    value: int = 0
+    final: bool = False  # read at least once after the window ended
+    epoch: str = ""
+
+
+@dataclass
+class RecordSeen:
+    key: str
+    tenant: str
+    request_id: str
+    admitted: bool
+    settled: bool
+    owner: str
+    admitted_at_s: float
+    client_request_id: str
+    epoch: str
+    fields: dict[str, str] = field(default_factory=dict)
+
+
+def _tenant_of(key: str) -> str:
+    return key[key.index("{") + 1 : key.index("}")]
+
+
+class Watcher:
+    def __init__(self, redis_url: str, prefix: str = DEFAULT_PREFIX, interval_s: float = 0.25):
+        self.url = redis_url
+        self.prefix = prefix
+        self.interval_s = interval_s
+        self.windows: dict[tuple[str, int, int], Window] = {}
+        self.records: dict[str, RecordSeen] = {}
+        self.ledger: dict[tuple[str, str], dict[str, str]] = {}  # (stream, entry id) → fields
+        self._ledger_last: dict[tuple[str, str], str] = {}  # (epoch, stream) → last id read
+        self.epochs: list[tuple[str, float]] = []  # run_id, first seen (wall clock s)
+        self.read_errors = 0
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._tick = 0
+
+    # --- reading -----------------------------------------------------------------------
+
+    async def _epoch(self, client: aioredis.Redis) -> str:
+        info = await client.info("server")
+        run_id = str(info["run_id"])
+        if not self.epochs or self.epochs[-1][0] != run_id:
+            self.epochs.append((run_id, time.time()))
+        return run_id
+
+    async def _counters(self, client: aioredis.Redis, epoch: str) -> None:
+        keys = [k async for k in client.scan_iter(match=f"{self.prefix}:{{*}}:c:tpm:*", count=500)]
+        if not keys:
+            return
+        values = await client.mget(keys)
+        now = time.time()
+        for key, value in zip(keys, values, strict=True):
+            if value is None:
+                continue
+            parts = key.split(":")
+            window_s, start = int(parts[-2]), int(parts[-1])
+            w = self.windows.setdefault(
+                (key, window_s, start), Window(_tenant_of(key), window_s, start, epoch=epoch)
+            )
+            if w.epoch != epoch:  # the window's counter was lost with Redis; a new one
+                w.epoch, w.final = epoch, False
+            w.value = int(value)
+            w.final = w.final or now >= start + window_s + 0.05
+
+    async def _records(self, client: aioredis.Redis, epoch: str) -> None:
+        keys = [k async for k in client.scan_iter(match=f"{self.prefix}:{{*}}:r:*", count=1000)]
+        todo = [k for k in keys if k not in self.records or not self.records[k].settled]
+        pipe = client.pipeline(transaction=False)
+        for k in todo:
+            pipe.hgetall(k)
+        for key, fields in zip(todo, await pipe.execute(), strict=True):
+            if not fields:
+                continue
+            verdict = fields.get("v", "")
+            self.records[key] = RecordSeen(
+                key=key,
+                tenant=_tenant_of(key),
+                request_id=key.rsplit(":r:", 1)[1],
+                admitted=verdict.startswith("1"),  # a cancel of one that ran settles it too
+                settled="st" in fields,
+                owner=fields.get("o", ""),
+                admitted_at_s=int(fields.get("at", "0") or 0) / 1e6,
+                client_request_id=fields.get("cr", ""),
+                epoch=epoch,
+                fields=fields,
+            )
+
+    async def _ledger(self, client: aioredis.Redis, epoch: str) -> None:
+        streams = [k async for k in client.scan_iter(match=f"{self.prefix}:{{*}}:usage")]
+        for stream in streams:
+            last = self._ledger_last.get((epoch, stream), "-")
+            start = "-" if last == "-" else f"({last}"
+            while True:
+                batch = await client.xrange(stream, start, "+", count=1000)
+                if not batch:
+                    break
+                for entry_id, entry in batch:
+                    self.ledger[(f"{epoch}/{stream}", entry_id)] = entry
+                last = batch[-1][0]
+                start = f"({last}"
+            self._ledger_last[(epoch, stream)] = last
+
+    async def read(self, client: aioredis.Redis, everything: bool = True) -> None:
+        epoch = await self._epoch(client)
+        await self._counters(client, epoch)
+        if everything:
+            await self._records(client, epoch)
+            await self._ledger(client, epoch)
+
+    async def _loop(self) -> None:
+        client = aioredis.from_url(self.url, decode_responses=True, socket_timeout=1.0)
+        try:
+            while not self._stop.is_set():
+                self._tick += 1
+                try:
+                    await self.read(client, everything=self._tick % 4 == 0)
+                except (aioredis.RedisError, OSError):
+                    self.read_errors += 1  # paused or down: read again next time
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.interval_s)
+        finally:
+            await client.aclose()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+
+    async def final_read(self, tamper: str | None = None) -> dict[str, Any]:
+        """The last read, after the load and the drain; ``tamper`` (a test hook) breaks one
+        invariant in Redis first: ``counter`` INCRBYs the newest counter window by a
+        budget, ``ledger`` deletes a ledger entry (the watcher's copy of it too)."""
+        client = aioredis.from_url(self.url, decode_responses=True, socket_timeout=5.0)
+        tampered: dict[str, Any] = {}
+        try:
+            if tamper == "counter":
+                # The newest window seen: live, or expired (then INCRBY writes it again and
+                # the read below takes that value as its final one).
+                key = max(self.windows, key=lambda k: k[2])[0]
+                await client.incrby(key, 100_000)
+                tampered = {"tamper": "counter", "key": key, "by": 100_000}
+            elif tamper == "ledger":
+                streams = [k async for k in client.scan_iter(match=f"{self.prefix}:{{*}}:usage")]
+                for stream in streams:
+                    batch = await client.xrange(stream, "-", "+", count=1)
+                    if batch:
+                        await client.xdel(stream, batch[0][0])
+                        self.ledger = {k: v for k, v in self.ledger.items() if k[1] != batch[0][0]}
+                        tampered = {"tamper": "ledger", "stream": stream, "id": batch[0][0]}
+                        break
+            await self.read(client)
+            live = {
+                r.owner
+                for r in self.records.values()
+                if r.owner and await client.exists(heartbeat_key(r.owner, self.prefix))
+            }
+            # Records the last scan still holds open (a record can expire while open only
+            # after its hour, far beyond a run).
+            for r in self.records.values():
+                if not r.settled and r.epoch == self.epochs[-1][0]:
+                    r.settled = bool(await client.hexists(r.key, "st"))
+            return {"live_owners": sorted(live), **tampered}
+        finally:
+            await client.aclose()
+
+    def open_records(self) -> list[RecordSeen]:
+        epoch = self.epochs[-1][0] if self.epochs else ""
+        return [
+            r for r in self.records.values() if r.admitted and not r.settled and r.epoch == epoch
+        ]
+
+
+# --- checks ----------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    figures: dict[str, Any]
+    summary: str
+
+    def to_doc(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "passed": self.passed,
+            "summary": self.summary,
+            "figures": self.figures,
+        }
+
+
+def _ledger_by_request(w: Watcher) -> dict[str, list[dict[str, str]]]:
+    out: dict[str, list[dict[str, str]]] = defaultdict(list)
+    for entry in w.ledger.values():
+        out[entry.get("request_id", "")].append(entry)
+    return out
+
+
+def _restart_times(w: Watcher) -> list[float]:
+    return [t for _, t in w.epochs[1:]]
+
+
+def check_settled_once(w: Watcher, kills: Sequence[float]) -> tuple[Check, set[str]]:
+    """Every admitted request has one ledger entry: none twice, none missing except the
+    ones a fault explains (open at a processor's SIGKILL, lost with a Redis restart)."""
+    ledger = _ledger_by_request(w)
+    admitted = {r.request_id: r for r in w.records.values() if r.admitted}
+    duplicates = {rid: len(es) for rid, es in ledger.items() if len(es) > 1}
+    last_epoch = w.epochs[-1][0] if w.epochs else ""
+    missing, lost_with_redis, open_ids = [], [], []
+    for rid, r in admitted.items():
+        if rid in ledger:
+            continue
+        if r.epoch != last_epoch:
+            lost_with_redis.append(rid)  # its record and entry went with an empty Redis
+        elif not r.settled:
+            open_ids.append(rid)  # counted by no_open_reservations
+        else:
+            missing.append(rid)  # settled, and no entry: a lost or deleted ledger entry
+    settled = sum(len(es) for es in ledger.values())
+    passed = not duplicates and not missing
+    figures = {
+        "admitted": len(admitted),
+        "ledger_entries": settled,
+        "settled_once": sum(1 for rid in admitted if len(ledger.get(rid, [])) == 1),
+        "duplicates": len(duplicates),
+        "settled_without_entry": len(missing),
+        "open": len(open_ids),
+        "lost_with_redis_restart": len(lost_with_redis),
+        "examples": {"duplicates": list(duplicates)[:5], "settled_without_entry": missing[:5]},
+    }
+    summary = (
+        f"admitted {len(admitted)}, settled {settled}, duplicates {len(duplicates)}, "
+        f"settled without a ledger entry {len(missing)}, lost with Redis {len(lost_with_redis)}"
+    )
+    return Check("settled_exactly_once", passed, figures, summary), set(lost_with_redis)
+
+
+def check_open(w: Watcher, kills: Sequence[float], live_owners: Sequence[str]) -> Check:
+    """No reservation left open, except those README "Quota semantics" lets a SIGKILL cost:
+    a dead processor's records admitted in its last 2 s (not yet registered for the
+    orphan sweep) keep their record for its hour."""
+    left = w.open_records()
+    allowed = [
+        r for r in left if r.owner not in live_owners and allowed_open(r.admitted_at_s, kills)
+    ]
+    passed = len(left) == len(allowed)
+    figures = {
+        "open_left": len(left),
+        "allowed_by_readme": len(allowed),
+        "unexplained": [r.key for r in left if r not in allowed][:5],
+        "reserved_in_allowed": sum(int(r.fields.get("res", 0) or 0) for r in allowed),
+    }
+    return Check(
+        "no_open_reservations",
+        passed,
+        figures,
+        f"open left {len(left)}, allowed by README (SIGKILL's last 2 s) {len(allowed)}",
+    )
+
+
+def _net(entry: dict[str, str]) -> list[tuple[int, int, int]]:
+    out = []
+    for part in (entry.get("windows") or "").split(";"):
+        bits = part.split(":")
+        if len(bits) == 4 and bits[0] == "tpm":
+            out.append((int(bits[1]), int(bits[2]), int(bits[3])))
+    return out
+
+
+def check_counters(
+    w: Watcher, excused_ids: set[str], timeout_s: float, kills: Sequence[float]
+) -> Check:
+    """Per token counter window: its final value == the sum of the ledger's nets for it.
+    Windows a fault explains are counted apart: one in which Redis restarted (its counter
+    started again from 0), one of a tenant whose request stayed open (a SIGKILL) or was lost
+    with Redis, from its admission to that fault."""
+    sums: dict[tuple[str, int, int], int] = Counter()
+    for entry in w.ledger.values():
+        for window_s, start, net in _net(entry):
+            sums[(entry.get("tenant", ""), window_s, start)] += net
+    restarts = _restart_times(w)
+    faults = sorted([*kills, *restarts])
+
+    def until(t: float) -> float:
+        return next((f + 0.5 for f in faults if f >= t - 0.5), t + timeout_s)
+
+    excused_spans = [
+        (r.tenant, r.admitted_at_s, until(r.admitted_at_s))
+        for r in w.records.values()
+        if r.request_id in excused_ids or (r.admitted and not r.settled)
+    ]
+    checked = mismatched = excused = unverified = 0
+    examples = []
+    from extproc.quota.keys import decode_name
+
+    for w_ in w.windows.values():
+        lo, hi = w_.start, w_.start + w_.window_s
+        # The window Redis restarted in (seen up to a read interval late) started from 0.
+        if any(lo - 0.5 <= t < hi + 0.5 for t in restarts) or any(
+            tenant == w_.tenant and a < hi and b >= lo for tenant, a, b in excused_spans
+        ):
+            excused += 1
+            continue
+        if not w_.final and w_.epoch == (w.epochs[-1][0] if w.epochs else ""):
+            # Still live at the end: final too once the drain settled every request.
+            pass
+        elif not w_.final:
+            unverified += 1
+            continue
+        checked += 1
+        expected = sums.get((decode_name(w_.tenant), w_.window_s, w_.start), 0)
+        if expected != w_.value:
+            mismatched += 1
+            examples.append(
+                {
+                    "tenant": decode_name(w_.tenant),
+                    "window_start": w_.start,
+                    "counter": w_.value,
+                    "ledger": expected,
+                }
+            )
+    figures = {
+        "windows_checked": checked,
+        "mismatches": mismatched,
+        "excused_by_faults": excused,
+        "unverified": unverified,
+        "examples": examples[:5],
+    }
+    return Check(
+        "counters_equal_ledger",
+        mismatched == 0 and checked > 0,
+        figures,
+        f"windows checked {checked}, mismatches {mismatched}, excused by faults {excused}, "
+        f"not read final {unverified}",
+    )
+
+
+def check_budget(w: Watcher, tpm: int, records: Sequence[dict[str, Any]]) -> Check:
+    """Tokens charged ≤ the budget in every window of every tenant (the counter is what the
+    processor let out: prompt + every lease), and no request was billed less than what
+    reached its client (so delivered ≤ charged ≤ budget)."""
+    ratios = [w_.value / tpm for w_ in w.windows.values()]
+    over = [
+        {"tenant": w_.tenant, "window_start": w_.start, "charged": w_.value}
+        for w_ in w.windows.values()
+        if w_.value > tpm
+    ]
+    by_client_id: dict[str, dict[str, str]] = {}
+    for entry in w.ledger.values():
+        if entry.get("client_request_id"):
+            by_client_id[entry["client_request_id"]] = entry
+    underbilled = []
+    for rec in records:
+        entry = by_client_id.get(rec["request_id"])
+        if entry is None or rec["status"] != 200:
+            continue
+        if int(entry.get("output_tokens", 0)) < rec["output_tokens"]:
+            underbilled.append(
+                {
+                    "request_id": rec["request_id"],
+                    "billed_output": int(entry["output_tokens"]),
+                    "delivered_output": rec["output_tokens"],
+                }
+            )
+    figures = {
+        "budget_per_window": tpm,
+        "windows": len(ratios),
+        "max_charged_over_budget": round(max(ratios, default=0.0), 4),
+        "windows_over_budget": len(over),
+        "requests_billed_below_delivered": len(underbilled),
+        "examples": (over + underbilled)[:5],
+    }
+    return Check(
+        "tokens_within_budget",
+        not over and not underbilled,
+        figures,
+        f"max charged/budget {figures['max_charged_over_budget']:.3f} over {len(ratios)} "
+        f"windows, {len(over)} over; billed below delivered {len(underbilled)}",
+    )
+
+
+def check_outcomes(records: Sequence[dict[str, Any]]) -> Check:
+    counts = Counter(r["outcome"] for r in records)
+    malformed = counts.get(MALFORMED, 0)
+    figures = {
+        "requests": len(records),
+        "by_class": {k: counts.get(k, 0) for k in (*WELL_FORMED, *EXCUSED, MALFORMED)},
+        "examples": [r["request_id"] for r in records if r["outcome"] == MALFORMED][:5],
+    }
+    by = ", ".join(f"{k} {v}" for k, v in figures["by_class"].items())
+    return Check("well_formed_outcomes", malformed == 0 and bool(records), figures, by)
+
+
+def check_resources(before: dict[int, dict[str, int]], after: dict[int, dict[str, int]]) -> Check:
+    """Per processor alive at both ends: RSS and open fds. A leak sentinel, not a tight
+    bound: fds may grow by a Redis pool's worth (32), RSS at most double."""
+    rows = []
+    passed = True
+    for pid in sorted(set(before) & set(after)):
+        b, a = before[pid], after[pid]
+        ok = a["fds"] <= b["fds"] + 32 and a["rss_kib"] <= 2 * b["rss_kib"]
+        passed = passed and ok
+        rows.append({"pid": pid, "before": b, "after": a, "ok": ok})
+    summary = "; ".join(
+        f"pid {r['pid']}: RSS {r['before']['rss_kib'] // 1024}→{r['after']['rss_kib'] // 1024} "
+        f"MiB, fds {r['before']['fds']}→{r['after']['fds']}"
+        for r in rows
+    )
+    return Check(
+        "processor_resources",
+        passed,  # every processor restarted: nothing to compare, nothing leaked
+        {"processors": rows},
+        summary or "no processor alive at both ends",
+    )

@@ -1,0 +1,65 @@
+"""A bad chaos scenario or flag: exit 2, one line naming the key, nothing started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.tools.chaos_support import TINY_CHAOS, chaos
+from tests.tools.conftest import ROOT, write_scenario
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"faults": [{"at": "1s", "fault": "redis_explode"}]}, "faults[0].fault"),
+        ({"faults": [{"at": "9s", "fault": "redis_kill"}]}, "faults[0].at"),
+        ({"faults": [{"at": "soon", "fault": "redis_kill"}]}, "faults[0].at"),
+        ({"faults": [{"at": "1s", "fault": "redis_pause"}]}, "faults[0].for"),
+        ({"faults": [{"at": "1s", "fault": "processor_kill", "processor": 2}]},
+         "faults[0].processor"),
+        ({"simulator": {"failure_types": ["meteor"]}}, "simulator.failure_types"),
+        ({"simulator": {"disconnect_rate": 150}}, "simulator.disconnect_rate"),
+        ({"processor": {"count": 1}, "faults": [{"at": "1s", "fault": "processor_kill"}]},
+         "processor.count"),
+        ({"clients": {"retries": -1}}, "clients.retries"),
+        ({"load": {"rats": 3}}, "load.rats"),
+    ],
+)  # fmt: skip
+def test_a_bad_scenario_exits_2_naming_the_key(
+    change: dict[str, Any], key: str, tmp_path: Path
+) -> None:
+    doc = {**TINY_CHAOS, **change}
+    done = chaos(write_scenario(tmp_path / "bad.yaml", doc), "--out", tmp_path / "out")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(f"extproc chaos: invalid scenario: {key}: ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_scenario_file_exits_2(tmp_path: Path) -> None:
+    done = chaos(tmp_path / "nope.yaml")
+    assert done.returncode == 2
+    assert "invalid scenario: scenario: cannot read" in done.stderr
+
+
+def test_an_unknown_tamper_is_a_usage_error(tmp_path: Path) -> None:
+    done = chaos("--tamper", "everything", "--out", tmp_path / "out")
+    assert done.returncode == 2
+    assert "--tamper" in done.stderr
+
+
+def test_chaos_is_listed_and_has_its_own_help() -> None:
+    listed = subprocess.run(
+        [sys.executable, "-m", "extproc", "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert "chaos" in listed.stdout
+    done = chaos("--help")
+    assert done.returncode == 0
+    assert "Chaos runs: extproc chaos" in done.stdout
+    assert "--tamper" not in done.stdout  # a test hook, not an option for users
