@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +86,20 @@ def tiny_run(
     scenario = write_scenario(base / "tiny.yaml", TINY)
     out = base / "results"
     return out, bench(scenario, "--out", out, "--quiet")
+
+
+def reap(proc: subprocess.Popen[bytes], seen: set[int]) -> None:
+    """A test that failed half-way still leaves nothing: the tool is asked to stop, then
+    killed, and so is every part of it still alive."""
+    if proc.poll() is None:
+        seen |= children(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    for pid in seen:
+        if alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -3,8 +3,6 @@ SIGTERM) mid-run or while the parts are still starting leaves no process behind.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import signal
 import subprocess
@@ -14,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tools.conftest import ROOT, TINY, alive, children, write_scenario
+from tests.tools.conftest import ROOT, TINY, alive, children, reap, write_scenario
 
 # Long enough to be interrupted in its second phase: 2 s per route and level.
 LONG = {**TINY, "load": {**TINY["load"], "levels": [1, 2], "duration_s": 2, "requests": None}}
@@ -55,23 +53,6 @@ def finish(proc: subprocess.Popen[bytes], seen: set[int], sig: int) -> int:
         seen |= children(proc.pid)  # a part that was starting when the signal came
         time.sleep(0.02)
     return proc.wait(5)
-
-
-def reap(proc: subprocess.Popen[bytes], seen: set[int]) -> None:
-    """A test that failed half-way still leaves nothing: the tool is asked to stop, then
-    killed, and so is every part of it still alive."""
-    if proc.poll() is None:
-        seen |= children(proc.pid)
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    for pid in seen:
-        if alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
