@@ -274,6 +274,7 @@ class ResponseMeter:
         if not events:
             return b""
         self.metrics.events_total += len(events)
+        usage_before = self.final_usage
         if costs is None:
             costs = [self._cost(event) for event in events]
         need = self.delivered
@@ -281,6 +282,10 @@ class ResponseMeter:
             if cost > 0:
                 need += cost
         if need > self.leased and self.incremental:
+            # A usage chunk among these events settles the request only once the events
+            # before it are out: held while they wait for a lease, so a stream that ends
+            # during the wait (a hang-up, the watchdog, shutdown) is billed what it got.
+            parsed_usage, self.final_usage = self.final_usage, usage_before
             self.metrics.events_waited_total += len(events)
             loop = asyncio.get_running_loop()
             started = loop.time()
@@ -288,6 +293,7 @@ class ResponseMeter:
             self.metrics.observe("lease_wait", self._labels, loop.time() - started)
             if self.finished:
                 return None
+            self.final_usage = parsed_usage
         out = bytearray()
         for event, cost in zip(events, costs, strict=True):
             if cost < 0:  # an event withheld from the client (the forced usage chunk)

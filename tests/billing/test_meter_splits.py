@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from pathlib import Path
-from typing import Any
 
 import orjson
 import pytest
@@ -22,48 +20,11 @@ from extproc.config import TenantSpec, parse_config
 from extproc.quota import keys
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.runtime import Runtime
+from tests.billing.streams import REQUEST, config_doc
 from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
 from tests.support.sse_client import parse_events
 
-ROOT = Path(__file__).resolve().parents[2]
-REQUEST = {
-    "model": "gpt-4.1",
-    "stream": True,
-    "max_tokens": 120,
-    "ignore_eos": True,
-    "messages": [{"role": "user", "content": "Count the tokens of this stream."}],
-}
 _ids = itertools.count()
-
-
-def config_doc(redis_url: str) -> dict[str, Any]:
-    return {
-        "redis_url": redis_url,
-        "models": {"gpt-4.1": {"tokenizer": "o200k_base", "max_tokens": 4096}},
-        "plans": {
-            "roomy": {"window_s": 3600, "limits": {"*": {"tpm": 1_000_000}}, "batch_tokens": 32},
-            "tight": {"window_s": 3600, "limits": {"*": {"tpm": 100}}, "batch_tokens": 32},
-        },
-        "tenants": {},
-    }
-
-
-@pytest.fixture(scope="module")
-def recorded_stream(tmp_path_factory: pytest.TempPathFactory) -> bytes:
-    """The simulator's raw SSE bytes for REQUEST, usage chunk included (as admission forces)."""
-    import urllib.request
-
-    sim = Simulator(ROOT / "simulator_profiles" / "fast.yaml", log_dir=tmp_path_factory.mktemp("s"))
-    try:
-        body = orjson.dumps({**REQUEST, "stream_options": {"include_usage": True}})
-        request = urllib.request.Request(
-            sim.url("/v1/chat/completions"), data=body, headers={"content-type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=30) as reply:
-            return reply.read()
-    finally:
-        sim.stop()
 
 
 async def bill(
