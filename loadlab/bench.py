@@ -24,7 +24,7 @@ from rich.console import Console
 
 from loadlab.compare import CompareError, compare, print_compare, write_compare
 from loadlab.engine import Engine, Phase
-from loadlab.parts import Parts, Route
+from loadlab.parts import Parts, Route, Terminated, raise_on_sigterm, shield_stops
 from loadlab.plots import write_plots
 from loadlab.quota_watch import BudgetWatch
 from loadlab.report import Live, machine_info, summary_table, write_results
@@ -255,20 +255,6 @@ def ceiling_line(scenario: Scenario, ceiling: dict[str, Any]) -> str:
     return f"ceiling of {scenario.ceiling.route} vs {scenario.ceiling.baseline}: {head}; {tail}"
 
 
-class _Terminated(Exception):
-    """SIGTERM, turned into an exception so every part is stopped on the way out."""
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise _Terminated()
-
-
-def _shield() -> None:
-    """While the parts are stopped, a second Ctrl-C or SIGTERM mustn't cut the stops short."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
 def run(argv: Sequence[str]) -> int:
     args = run_parser().parse_args(list(argv))
     try:
@@ -282,7 +268,7 @@ def run(argv: Sequence[str]) -> int:
     console = Console(width=None if sys.stdout.isatty() else 200)
     started = time.monotonic()
     info: dict[str, Any] = {"started_utc": stamp, "machine": machine_info()}
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, raise_on_sigterm)
     parts = Parts(scenario, out / "logs")
     try:
         with Live(args.quiet) as live:
@@ -298,13 +284,13 @@ def run(argv: Sequence[str]) -> int:
                     info["processor_metrics"] = processor_figures(parts.processor.metrics())
                 except OSError:  # a figure less, not a lost run
                     info["processor_metrics"] = None
-    except (KeyboardInterrupt, _Terminated):
-        _shield()
+    except (KeyboardInterrupt, Terminated):
+        shield_stops()
         parts.stop()
         print("extproc bench: interrupted; every part stopped", file=sys.stderr)
         return 130
     except (RuntimeError, TimeoutError, OSError) as exc:
-        _shield()
+        shield_stops()
         parts.stop()
         # A part's failure carries its log's tail: its last line says why.
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
@@ -313,7 +299,7 @@ def run(argv: Sequence[str]) -> int:
         print(f"  (part logs in {out / 'logs'})", file=sys.stderr)
         return 1
     finally:
-        _shield()
+        shield_stops()
         parts.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, previous)

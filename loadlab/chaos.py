@@ -34,6 +34,9 @@ from loadlab.client import TimedStream, chat_request, timed_stream
 from loadlab.engine import CHAT_OVERHEAD, WORD
 from loadlab.faults import ChaosParts, tenant_api_key, tenant_name, usage
 from loadlab.integrity import (
+    EXCUSED,
+    MALFORMED,
+    WELL_FORMED,
     Check,
     Watcher,
     allowed_open,
@@ -44,7 +47,7 @@ from loadlab.integrity import (
     check_resources,
     check_settled_once,
 )
-from loadlab.parts import CHAT_PATH
+from loadlab.parts import CHAT_PATH, Terminated, raise_on_sigterm, shield_stops
 from loadlab.report import Live, machine_info
 from loadlab.rig import MODEL
 from loadlab.scenario import ScenarioError
@@ -402,35 +405,13 @@ def write_all(
 
 def print_report(console: Console, summary: dict[str, Any], checks: list[Check]) -> None:
     t = Table(title="extproc chaos: requests by outcome")
-    for h in (
-        "requests",
-        "complete",
-        "cut_clean",
-        "error_status",
-        "client_disconnect",
-        "reset_by_fault",
-        "reset_by_upstream",
-        "malformed_upstream",
-        "malformed",
-        "faults applied",
-    ):
+    classes = (*WELL_FORMED, *EXCUSED, MALFORMED)
+    for h in ("requests", *classes, "faults applied"):
         t.add_column(h, justify="right")
     o = summary["outcomes"]
     t.add_row(
         str(summary["requests"]),
-        *(
-            str(o.get(k, 0))
-            for k in (
-                "complete",
-                "cut_clean",
-                "error_status",
-                "client_disconnect",
-                "reset_by_fault",
-                "reset_by_upstream",
-                "malformed_upstream",
-                "malformed",
-            )
-        ),
+        *(str(o.get(k, 0)) for k in classes),
         ", ".join(f"{f['fault']}@{f['at_s']:.0f}s" for f in summary["faults"]) or "-",
     )
     console.print(t)
@@ -441,19 +422,6 @@ def print_report(console: Console, summary: dict[str, Any], checks: list[Check])
     for c in checks:
         it.add_row(c.name, "[green]PASS[/]" if c.passed else "[red]FAIL[/]", escape(c.summary))
     console.print(it)
-
-
-class _Terminated(Exception):
-    pass
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise _Terminated()
-
-
-def _shield() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -469,7 +437,7 @@ def main(argv: Sequence[str]) -> int:
     console = Console(width=None if sys.stdout.isatty() else 200)
     started = time.monotonic()
     info: dict[str, Any] = {"started_utc": stamp, "machine": machine_info()}
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, raise_on_sigterm)
     parts = ChaosParts(s, out / "logs")
     try:
         with Live(args.quiet) as live:
@@ -480,20 +448,20 @@ def main(argv: Sequence[str]) -> int:
             )
             parts.start()
             result = asyncio.run(_run(s, parts, live, args.tamper))
-    except (KeyboardInterrupt, _Terminated):
-        _shield()
+    except (KeyboardInterrupt, Terminated):
+        shield_stops()
         parts.stop()
         print("extproc chaos: interrupted; every part stopped", file=sys.stderr)
         return 130
     except (RuntimeError, TimeoutError, OSError) as exc:
-        _shield()
+        shield_stops()
         parts.stop()
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
         why = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
         print(f"extproc chaos: {why}\n  (part logs in {out / 'logs'})", file=sys.stderr)
         return 1
     finally:
-        _shield()
+        shield_stops()
         parts.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, previous)

@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from loadlab.scenario import (
     CHARGE_MODES,
     Lengths,
@@ -26,6 +24,7 @@ from loadlab.scenario import (
     _list,
     _mapping,
     _str,
+    read_yaml,
 )
 
 FAULTS = (
@@ -364,12 +363,4 @@ def check_chaos(s: ChaosScenario) -> ChaosScenario:
 
 
 def load_chaos(path: Path) -> ChaosScenario:
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ScenarioError("scenario", f"cannot read {path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        line = f" (line {where.line + 1})" if where is not None else ""
-        raise ScenarioError("scenario", f"{path} is not valid YAML{line}") from exc
-    return parse_chaos(doc if doc is not None else {})
+    return parse_chaos(read_yaml(path))

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,20 @@ from loadlab.scenario import Scenario, Variant
 from loadlab.simulator import Simulator
 
 CHAT_PATH = "/v1/chat/completions"
+
+
+class Terminated(Exception):
+    """SIGTERM, turned into an exception so every part is stopped on the way out."""
+
+
+def raise_on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+def shield_stops() -> None:
+    """While the parts are stopped, a second Ctrl-C or SIGTERM mustn't cut the stops short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 @dataclass

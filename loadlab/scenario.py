@@ -447,7 +447,8 @@ def check(s: Scenario) -> Scenario:
     return s
 
 
-def load_scenario(path: Path) -> Scenario:
+def read_yaml(path: Path) -> object:
+    """A scenario file's document ({} when empty); a one-line ScenarioError otherwise."""
     try:
         doc = yaml.safe_load(path.read_text())
     except OSError as exc:
@@ -456,4 +457,8 @@ def load_scenario(path: Path) -> Scenario:
         where = getattr(exc, "problem_mark", None)
         line = f" (line {where.line + 1})" if where is not None else ""
         raise ScenarioError("scenario", f"{path} is not valid YAML{line}") from exc
-    return parse_scenario(doc if doc is not None else {})
+    return doc if doc is not None else {}
+
+
+def load_scenario(path: Path) -> Scenario:
+    return parse_scenario(read_yaml(path))
