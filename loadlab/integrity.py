@@ -197,13 +197,22 @@ class Watcher:
                 await client.incrby(key, 100_000)
                 tampered = {"tamper": "counter", "key": key, "by": 100_000}
             elif tamper == "ledger":
+                # An entry that moved exactly one counter window (not one that straddles a
+                # window boundary, nor one that netted 0), so the breakage is one mismatch.
                 streams = [k async for k in client.scan_iter(match=f"{self.prefix}:{{*}}:usage")]
                 for stream in streams:
-                    batch = await client.xrange(stream, "-", "+", count=1)
-                    if batch:
-                        await client.xdel(stream, batch[0][0])
-                        self.ledger = {k: v for k, v in self.ledger.items() if k[1] != batch[0][0]}
-                        tampered = {"tamper": "ledger", "stream": stream, "id": batch[0][0]}
+                    entry_id = next(
+                        (
+                            i
+                            for i, e in await client.xrange(stream, "-", "+")
+                            if sum(1 for _, _, net in _net(e) if net) == 1
+                        ),
+                        None,
+                    )
+                    if entry_id is not None:
+                        await client.xdel(stream, entry_id)
+                        self.ledger = {k: v for k, v in self.ledger.items() if k[1] != entry_id}
+                        tampered = {"tamper": "ledger", "stream": stream, "id": entry_id}
                         break
             await self.read(client)
             live = {

@@ -25,22 +25,71 @@ class ConfigError(ValueError):
         self.path = path
 
 
+Metric = Literal["requests", "tokens", "input_tokens", "output_tokens", "cost"]
+WindowKind = Literal["fixed", "sliding", "calendar"]
+Period = Literal["day", "week", "month"]
+# Cost counters count nano-units (1e-9) of the configured currency: a price per million
+# tokens with up to three decimals is a whole number of nano-units per token, and a
+# budget up to ~9 million currency units stays exact in Lua's doubles (2**53).
+NANO_PER_UNIT = 1_000_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSpec:
+    """Where a limit's window starts and ends.
+
+    ``fixed``: epoch-aligned ``seconds`` (like envoyproxy/ratelimit). ``sliding``: no
+    interval of ``seconds`` carries more than the limit, counted in ``bucket_s`` buckets
+    (``seconds`` % ``bucket_s`` == 0). ``calendar``: the ``period`` (day, week from Monday,
+    month) in ``timezone``, an IANA name."""
+
+    kind: WindowKind = "fixed"
+    seconds: int = 60
+    bucket_s: int = 1
+    period: Period | None = None
+    timezone: str = "UTC"
+
+
+@dataclass(frozen=True, slots=True)
+class LimitRule:
+    """One limit: at most ``limit`` of ``metric`` per window. ``limit`` counts requests,
+    tokens (input + output; ``input_tokens``/``output_tokens`` one side only), or cost in
+    nano-units (``NANO_PER_UNIT``) priced by the model's ``PriceSpec``. A ``shadow`` limit
+    is counted and reports what it would have refused or cut, but refuses nothing."""
+
+    metric: Metric
+    limit: int
+    window: WindowSpec = field(default_factory=WindowSpec)
+    shadow: bool = False
+    name: str = ""  # from an RLS descriptor's ``name`` (``replaces`` refers to it)
+
+
 @dataclass(frozen=True, slots=True)
 class LimitSpec:
-    """Limits of one tenant on one quota model; None means unlimited."""
+    """Limits of one tenant on one quota model (or ``"*"``: each model on its own). An
+    entry with no rules allows the model, unlimited (RLS ``unlimited: true``)."""
 
-    rpm: int | None = None
-    tpm: int | None = None
+    rules: tuple[LimitRule, ...] = ()
     batch_tokens: int | None = None  # overrides the plan's batch size for this model
+
+
+@dataclass(frozen=True, slots=True)
+class PriceSpec:
+    """A model's prices in nano-units per token (the YAML gives them per million tokens)."""
+
+    input: int = 0
+    output: int = 0
+    cached_input: int | None = None  # None: cached input tokens cost ``input``
 
 
 @dataclass(frozen=True, slots=True)
 class PlanSpec:
     name: str
-    limits: dict[str, LimitSpec]  # quota model name or "*"
-    window_s: int = 60
-    tenant_tpm: int | None = None
-    daily_tokens: int | None = None
+    # Per quota model name or "*": a model's own entry replaces the "*" entry (as a more
+    # specific descriptor does in envoyproxy/ratelimit). A model in neither is refused.
+    limits: dict[str, LimitSpec]
+    # One counter for the tenant across all its models (tenant TPM, calendar budgets).
+    tenant_rules: tuple[LimitRule, ...] = ()
     charge_mode: ChargeMode = "incremental"
     batch_tokens: int = 32
     on_exhaustion: OnExhaustion = "error"
@@ -74,6 +123,7 @@ class ModelSpec:
     reserve_max: bool = False
     # ``Bearer <secret>`` read from the environment or a file at load time, never from YAML.
     upstream_authorization: str | None = field(default=None, repr=False, compare=False)
+    prices: PriceSpec | None = None  # needed by any cost limit that applies to the model
 
     @property
     def served_name(self) -> str:
