@@ -154,6 +154,24 @@ class QuotaTimeout(QuotaUnavailable):
     """The backend did not answer within the per-call deadline (``command_timeout_s``)."""
 
 
+WindowKind = Literal["fixed", "sliding", "calendar"]
+Period = Literal["day", "week", "month"]
+@dataclass(frozen=True, slots=True)
+class WindowSpec:
+    """Where a limit's window starts and ends.
+
+    ``fixed``: epoch-aligned ``seconds`` (like envoyproxy/ratelimit). ``sliding``: no
+    interval of ``seconds`` carries more than the limit, counted in ``bucket_s`` buckets
+    (``seconds`` % ``bucket_s`` == 0). ``calendar``: the ``period`` (day, week from Monday,
+    month) in ``timezone``, an IANA name."""
+
+    kind: WindowKind = "fixed"
+    seconds: int = 60
+    bucket_s: int = 1
+    period: Period | None = None
+    timezone: str = "UTC"
+
+
 @dataclass(frozen=True, slots=True)
 class Counter:
     """One limit. ``key`` is a prefix: a fixed or calendar window's key is ``key:<start>``;
