@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from extproc.quota.base import LedgerSettings, WindowSpec
+from extproc.quota.base import LedgerSettings, Period, WindowKind, WindowSpec
+
+__all__ = ["Period", "WindowKind", "WindowSpec"]  # re-exported: defined with the counters
 
 ChargeMode = Literal["incremental", "reserve_max"]
 OnExhaustion = Literal["error", "truncate"]
