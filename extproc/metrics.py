@@ -133,6 +133,8 @@ class Metrics:
     tokens_reserved: _Tally[tuple[str, str]] = field(default_factory=_Tally)
     tokens_refunded: _Tally[tuple[str, str]] = field(default_factory=_Tally)
     replays: _Tally[str] = field(default_factory=_Tally)  # operation
+    # model, plan, limit kind, refuse|cut: what a shadow limit would have done
+    shadow_violations: _Tally[tuple[str, str, str, str]] = field(default_factory=_Tally)
     backend_errors: _Tally[str] = field(default_factory=_Tally)  # operation
     histograms: dict[str, HistogramFamily] = field(default_factory=_histograms)
 
@@ -266,6 +268,8 @@ _LABELLED: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
      "Tokens reserved over requests' lives (admission and lease batches)."),
     ("tokens_refunded", "extproc_tokens_refunded", ("model", "plan"),
      "Reserved tokens given back at settlement."),
+    ("shadow_violations", "extproc_shadow_violations", ("model", "plan", "kind", "action"),
+     "What shadow limits would have done and did not: refuse an admission, cut a lease."),
     ("replays", "extproc_idempotent_replays", ("operation",),
      "Quota calls answered from an earlier call with the same key (idempotency hits)."),
     ("backend_errors", "extproc_quota_backend_errors", ("operation",),

@@ -11,6 +11,7 @@ import structlog
 
 from extproc.admission.errors import ApiError, invalid_request, model_not_found, unauthorized
 from extproc.admission.identity import KeyRing, presented_key
+from extproc.admission.limit_names import describe_limit
 from extproc.admission.policy import PolicyBook, QuotaPolicy
 from extproc.admission.ratelimit_headers import ratelimit_headers, retry_after
 from extproc.admission.request import (
@@ -22,6 +23,7 @@ from extproc.admission.request import (
 )
 from extproc.billing.lease import REFUND_RETRY_S, first_lease, refund_retries
 from extproc.config import Config, TenantSpec
+from extproc.config.schema import NANO_PER_UNIT
 from extproc.metrics import Metrics
 from extproc.quota import keys
 from extproc.quota.base import (
@@ -32,6 +34,7 @@ from extproc.quota.base import (
     QuotaUnavailable,
     UsageTags,
     Verdict,
+    unit_of,
 )
 from extproc.tokens.offload import PromptCounter
 from extproc.tokens.prompt import MalformedRequest
@@ -39,13 +42,6 @@ from extproc.tokens.registry import ModelTokenizer, TokenizerRegistry
 
 log = structlog.get_logger("extproc.admission")
 
-_REFUSAL_CODES = {
-    "rpm": ("rpm_limit_exceeded", "requests per {window}"),
-    "tpm": ("tpm_limit_exceeded", "tokens per {window}"),
-    "tenant_tpm": ("tpm_limit_exceeded", "tokens per {window} (all models)"),
-    "daily": ("daily_budget_exceeded", "tokens per {window}"),
-}
-_WINDOW_NAMES = ((86400, "day"), (3600, "hour"), (60, "minute"), (1, "second"))
 # From this body size the loop runs once between parsing the body and re-serialising it
 # (~0.5 ms each at this size, ~2-3 ms each per MiB of mixed scripts), so no other stream
 # waits for both back to back.
@@ -61,17 +57,6 @@ def token_count_failed() -> ApiError:
         "api_error",
         "token_count_failed",
     )
-
-
-def window_name(window_s: int) -> str:
-    """``minute``, ``hour``, ``day``, or ``90 seconds`` / ``2 hours`` for other lengths."""
-    for length, name in _WINDOW_NAMES:
-        if window_s == length:
-            return name
-    for length, name in _WINDOW_NAMES:
-        if window_s % length == 0:
-            return f"{window_s // length} {name}s"
-    return f"{window_s} seconds"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +77,10 @@ class Admitted:
     def metric_labels(self) -> tuple[str, str]:
         """(model, plan): the labels of this request's metrics (never the tenant)."""
         return self.request.model.name, self.tenant.plan.name
+
+    @property
+    def enforced_token_kinds(self) -> frozenset[str]:
+        return self.policy.enforced_token_kinds
 
     @property
     def incremental(self) -> bool:
@@ -123,7 +112,7 @@ class Admission:
         self.backend = backend
         self.registry = registry
         self.keyring = KeyRing(config.tenants)
-        self.policies = PolicyBook(config.key_prefix)
+        self.policies = PolicyBook(config.key_prefix, config.models)
         self.prompts = PromptCounter()
 
     def authenticate(self, headers: dict[str, str]) -> TenantSpec:
@@ -233,14 +222,23 @@ class Admission:
         if not verdict.admitted:
             self.metrics.refused[(*labels, verdict.refused_by or "rpm")] += 1
             raise _refusal(
-                verdict.refused_by, verdict.states, prompt_tokens + output_reserved, policy
+                verdict.refused_by, verdict.states, prompt_tokens, output_reserved, policy
             )
         if verdict.replayed:
             self.metrics.replays["admit"] += 1
+        for kind in verdict.shadow_refused_by:
+            # Admitted: a shadow limit only reports what it would have refused.
+            self.metrics.shadow_violations[(*labels, kind, "refuse")] += 1
+            log.warning(
+                "shadow_limit_would_refuse", request_id=request_id, tenant=tenant.id, kind=kind
+            )
         self.metrics.tokens_reserved[labels] += charge.tokens
+        states = verdict.states
+        if policy.shadow_kinds:
+            states = tuple(s for s in states if s.kind not in policy.shadow_kinds)
         return Admitted(
             tenant, request, policy, tokenizer, reservation_key,
-            prompt_tokens, output_reserved, verdict.states, verdict.replayed,
+            prompt_tokens, output_reserved, states, verdict.replayed,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -292,27 +290,45 @@ async def cancel_until_answered(
     return False
 
 
+def _amount(counter: Counter | None, value: int) -> str:
+    """A limit or count as the client reads it: cost counters hold nano-units."""
+    if counter is not None and unit_of(counter.kind) == "cost":
+        return f"{value / NANO_PER_UNIT:.9f}".rstrip("0").rstrip(".")
+    return str(value)
+
+
 def _refusal(
-    refused_by: str | None, states: tuple[CounterState, ...], cost: int, policy: QuotaPolicy
+    refused_by: str | None,
+    states: tuple[CounterState, ...],
+    prompt: int,
+    output: int,
+    policy: QuotaPolicy,
 ) -> ApiError:
-    code, what = _REFUSAL_CODES.get(refused_by or "rpm", _REFUSAL_CODES["rpm"])
     counters = policy.request_counters + policy.token_counters
-    window_s = next((c.window_s for c in counters if c.kind == refused_by), 60)
-    what = what.format(window=window_name(window_s))
+    counter = next((c for c in counters if c.kind == refused_by), None)
+    if counter is None:
+        code, what = "rpm_limit_exceeded", "requests"
+    else:
+        code, what = describe_limit(counter)
     state = next((s for s in states if s.kind == refused_by), None)
-    if state is not None and refused_by != "rpm" and cost > state.limit:
+    need = 1
+    if counter is not None and counter in policy.token_counters:
+        need = prompt * counter.weights[0] + output * counter.weights[1]
+    if state is not None and need > state.limit:
         message = (
-            f"Request too large: it needs {cost} tokens but the limit is {state.limit} {what}."
+            f"Request too large: it needs {_amount(counter, need)} "
+            f"but the limit is {_amount(counter, state.limit)} {what}."
         )
     elif state is not None:
         message = (
-            f"Rate limit reached: limit {state.limit} {what}, {state.remaining} remaining. "
-            f"Please try again in {retry_after(states, refused_by)}s."  # type: ignore[arg-type]
+            f"Rate limit reached: limit {_amount(counter, state.limit)} {what}, "
+            f"{_amount(counter, state.remaining)} remaining. "
+            f"Please try again in {retry_after(states, refused_by)}s."
         )
     else:
         message = f"Rate limit reached on {what}."
     headers = (
-        ("retry-after", retry_after(states, refused_by)),  # type: ignore[arg-type]
-        *ratelimit_headers(states),
+        ("retry-after", retry_after(states, refused_by)),
+        *ratelimit_headers(tuple(s for s in states if s.kind not in policy.shadow_kinds)),
     )
     return ApiError(429, message, "rate_limit_error", code, None, headers)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from extproc.quota.base import TOKEN_KINDS, CounterKind, CounterState
+from extproc.quota.base import CounterKind, CounterState, unit_of
 
 
 def format_reset(seconds: float) -> str:
@@ -22,11 +22,16 @@ def format_reset(seconds: float) -> str:
 
 
 def ratelimit_headers(states: tuple[CounterState, ...]) -> list[tuple[str, str]]:
-    """Headers for the request counter and the tightest token counter (least remaining)."""
+    """Headers for the tightest request counter and the tightest token counter (least
+    remaining). Shadow counters are left out by the caller: they limit nothing."""
     headers: list[tuple[str, str]] = []
-    requests = next((s for s in states if s.kind == "rpm"), None)
+    requests = min(
+        (s for s in states if unit_of(s.kind) == "requests"),
+        key=lambda s: s.remaining,
+        default=None,
+    )
     tokens = min(
-        (s for s in states if s.kind in TOKEN_KINDS), key=lambda s: s.remaining, default=None
+        (s for s in states if unit_of(s.kind) == "tokens"), key=lambda s: s.remaining, default=None
     )
     for suffix, state in (("requests", requests), ("tokens", tokens)):
         if state is None:
@@ -38,6 +43,10 @@ def ratelimit_headers(states: tuple[CounterState, ...]) -> list[tuple[str, str]]
 
 
 def retry_after(states: tuple[CounterState, ...], refused_by: CounterKind | None) -> str:
-    """Whole seconds until the window of the counter that refused ends (at least 1)."""
+    """Whole seconds until the request would fit the counter that refused (its window's
+    end; a sliding window's release of enough), at least 1."""
     state = next((s for s in states if s.kind == refused_by), None)
-    return str(max(1, math.ceil(state.reset_s))) if state is not None else "1"
+    if state is None:
+        return "1"
+    wait = state.reset_s if state.retry_s is None else state.retry_s
+    return str(max(1, math.ceil(wait)))

@@ -51,27 +51,35 @@ def choice_text(choice: Any) -> str:
     return "".join(parts)
 
 
-def usage_counts(usage: Any) -> tuple[int, int] | None:
-    """``(prompt, completion)`` from a well-formed usage object, else None."""
+# (prompt, completion, cached prompt) tokens of an upstream's usage object.
+Usage = tuple[int, int, int]
+
+
+def usage_counts(usage: Any) -> Usage | None:
+    """``(prompt, completion, cached)`` from a well-formed usage object, else None. Cached
+    prompt tokens (``prompt_tokens_details.cached_tokens``) are 0 when absent or not within
+    the prompt: a cost limit prices them lower, so a wrong figure must not lower the bill."""
     if not isinstance(usage, dict):
         return None
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
     for value in (prompt, completion):
         if type(value) is not int or value < 0:
             return None
-    return prompt, completion  # type: ignore[return-value]
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if type(cached) is not int or not 0 <= cached <= prompt:  # type: ignore[operator]
+        cached = 0
+    return prompt, completion, cached  # type: ignore[return-value]
 
 
-def billed(prompt: int, counted_output: int, usage: tuple[int, int] | None) -> tuple[int, int]:
+def billed(prompt: int, counted_output: int, usage: Usage | None) -> tuple[int, int]:
     """``(prompt, output)`` to commit: the upstream's figures, output never below our count."""
     if usage is None:
         return prompt, counted_output
     return usage[0], max(usage[1], counted_output)
 
 
-def read_answer(
-    body: bytes, tokenizer: ModelTokenizer
-) -> tuple[int, tuple[int, int] | None] | None:
+def read_answer(body: bytes, tokenizer: ModelTokenizer) -> tuple[int, Usage | None] | None:
     """``(our output count, the upstream's usage)`` of a whole answer; None if unreadable."""
     try:
         doc = orjson.loads(body)
@@ -87,9 +95,7 @@ def read_answer(
     return counted, usage
 
 
-def _read_event_stream(
-    body: bytes, tokenizer: ModelTokenizer
-) -> tuple[int, tuple[int, int] | None] | None:
+def _read_event_stream(body: bytes, tokenizer: ModelTokenizer) -> tuple[int, Usage | None] | None:
     """An SSE body under another content type: count each choice's text, keep the usage."""
     reassembler = SseReassembler()
     try:
@@ -98,7 +104,7 @@ def _read_event_stream(
     except SseProtocolError:
         return None
     texts: dict[Any, list[str]] = {}
-    usage: tuple[int, int] | None = None
+    usage: Usage | None = None
     seen_data = False
     for event in events:
         chunk = parse_json_data(event)

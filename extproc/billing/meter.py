@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 import structlog
 
+from extproc.admission.limit_names import describe_limit
 from extproc.billing import answer
 from extproc.billing.decoding import DECODABLE, Decoder, UndecodableBody, encodings
 from extproc.billing.lease import (
@@ -36,7 +37,7 @@ from extproc.billing.sse import (
     SseReassembler,
     parse_json_data,
 )
-from extproc.quota.base import TOKEN_KINDS, SettleReason
+from extproc.quota.base import SettleReason
 from extproc.tokens.incremental import IncrementalCounter
 from extproc.tracing import ExchangeSpan, fail
 
@@ -105,7 +106,9 @@ class ResponseMeter:
         self.completed = False  # the upstream ended its stream normally
         # The upstream's closing usage chunk arrived: it settles the request from here on,
         # whatever the client does next.
-        self.final_usage: tuple[int, int] | None = None
+        self.final_usage: answer.Usage | None = None
+        # Cached prompt tokens of the upstream usage the bill was taken from (cost limits).
+        self.cached_input = 0
         self.settled = False
         self._decoder: Decoder | None = None
         self._sse = SseReassembler()
@@ -403,7 +406,8 @@ class ResponseMeter:
 
     def _room_left(self) -> int | None:
         """Tokens the tightest token counter had left at this request's last charge."""
-        rooms = [s.remaining for s in self.states if s.kind in TOKEN_KINDS]
+        enforced = self.admitted.enforced_token_kinds
+        rooms = [s.remaining for s in self.states if s.kind in enforced]
         return min(rooms) if rooms else None
 
     async def _lease(self, amount: int, minimum: int) -> None:
@@ -450,6 +454,10 @@ class ResponseMeter:
             self.leased += grant.granted
             self._lease_due = lease_due_at(self.leased, self.batch, self.max_output)
             self.states = grant.states or self.states
+            for kind in grant.shadow_cut_by:
+                # Granted all the same: a shadow limit only reports the cut it would make.
+                metrics.shadow_violations[(*self._labels, kind, "cut")] += 1
+                log.warning("shadow_limit_would_cut", request_id=self._rid, kind=kind)
         elif grant.others_open > 0 and self.refusals < self._refusal_retries:
             # A budget full of others' unused leases is not used up: ask again for up to
             # refund_wait_ms; refused with nobody else open, the stream is cut at once.
@@ -459,10 +467,13 @@ class ResponseMeter:
         else:
             self.exhausted = True
             metrics.lease_batches[(*self._labels, "refused")] += 1
-            if grant.states:
-                tightest = min(grant.states, key=lambda s: s.remaining)
-                if tightest.kind == "daily":
-                    self.exhausted_code = "daily_budget_exceeded"
+            enforced = [s for s in grant.states if s.kind not in self.admitted.policy.shadow_kinds]
+            if enforced:
+                tightest = min(enforced, key=lambda s: s.remaining / max(1, s.limit))
+                counters = self.admitted.policy.token_counters
+                counter = next((c for c in counters if c.kind == tightest.kind), None)
+                if counter is not None:
+                    self.exhausted_code = describe_limit(counter)[0]
         self.lease_task = None
 
     # -- ending ----------------------------------------------------------------------------
@@ -551,6 +562,7 @@ class ResponseMeter:
                     upstream=self.final_usage[1],
                     counted=self.delivered,
                 )
+            self.cached_input = self.final_usage[2]
             return answer.billed(prompt, self.delivered, self.final_usage)
         return prompt, self.delivered
 
@@ -561,6 +573,7 @@ class ResponseMeter:
             # Cut short, unreadable or over the size limit: only max_tokens bounds it.
             return prompt, self.max_output
         counted, usage = read
+        self.cached_input = usage[2] if usage is not None else 0
         return answer.billed(prompt, counted, usage)
 
     def _disagrees(self, upstream: int) -> bool:
@@ -604,6 +617,7 @@ class ResponseMeter:
                 used,
                 reason=ledger_reason,
                 output_tokens=output,
+                cached_tokens=self.cached_input,
             )
         except Exception as exc:
             metrics.settle_errors_total += 1

@@ -11,12 +11,18 @@ from typing import Any
 import orjson
 import yaml
 
+from extproc.config import limits
+from extproc.config.limits import Entry, Layer, PlanWindow, Sourced
+from extproc.config.ratelimit import RlsLimits, parse_ratelimit, read_file
 from extproc.config.schema import (
     CircuitBreakerSpec,
     Config,
     ConfigError,
+    LimitRule,
     LimitSpec,
+    Metric,
     ModelSpec,
+    Period,
     PlanSpec,
     TenantSpec,
 )
@@ -47,14 +53,25 @@ _TOP_KEYS = {
     "heartbeat_ttl_s",
     "orphan_sweep_s",
     "usage_ledger",
+    "ratelimit",
+    "ratelimit_file",
 }
 _LEDGER_KEYS = {"enabled", "max_len", "retention_s"}
 _BREAKER_KEYS = {"failures", "probe_interval_ms"}
 _PLAN_KEYS = {
     "limits",
     "window_s",
+    "window",
+    "bucket_s",
+    "timezone",
     "tenant_tpm",
     "daily_tokens",
+    "weekly_tokens",
+    "monthly_tokens",
+    "daily_cost",
+    "monthly_cost",
+    "tenant_rules",
+    "shadow",
     "charge_mode",
     "batch_tokens",
     "on_exhaustion",
@@ -62,7 +79,23 @@ _PLAN_KEYS = {
     "fail_open_fraction",
 }
 _OVERRIDE_KEYS = _PLAN_KEYS - {"window_s"}
-_LIMIT_KEYS = {"rpm", "tpm", "batch_tokens"}
+# Per-window sugar of a model's entry: each is one rule in the plan's window.
+_SUGAR: dict[str, Metric] = {
+    "rpm": "requests",
+    "tpm": "tokens",
+    "itpm": "input_tokens",
+    "otpm": "output_tokens",
+    "cost": "cost",
+}
+_LIMIT_KEYS = {*_SUGAR, "rules", "batch_tokens"}
+# Tenant-wide calendar budgets in the plan's time zone.
+_CALENDAR_SUGAR: dict[str, tuple[Metric, Period]] = {
+    "daily_tokens": ("tokens", "day"),
+    "weekly_tokens": ("tokens", "week"),
+    "monthly_tokens": ("tokens", "month"),
+    "daily_cost": ("cost", "day"),
+    "monthly_cost": ("cost", "month"),
+}
 _MODEL_KEYS = {
     "aliases",
     "tokenizer",
@@ -73,6 +106,7 @@ _MODEL_KEYS = {
     "upstream_api_key_file",
     "continuous_usage",
     "reserve_max",
+    "prices",
 }
 _TENANT_KEYS = {"plan", "key_sha256", "overrides"}
 
@@ -154,54 +188,151 @@ def _str(value: Any, path: str) -> str:
     return value
 
 
-def _limits(doc: Any, path: str) -> dict[str, LimitSpec]:
-    out: dict[str, LimitSpec] = {}
-    for model, entry in _mapping(doc, path).items():
-        epath = f"{path}.{model}"
-        entry = _mapping(entry, epath)
-        _known(entry, _LIMIT_KEYS, epath)
-        out[str(model)] = LimitSpec(
-            rpm=_int(entry.get("rpm"), f"{epath}.rpm", optional=True),
-            tpm=_int(entry.get("tpm"), f"{epath}.tpm", optional=True),
-            batch_tokens=_int(entry.get("batch_tokens"), f"{epath}.batch_tokens", optional=True),
+class _Layers:
+    """A plan's YAML and the tenant overrides merged over it, each value with its field."""
+
+    def __init__(self, layers: list[tuple[dict[str, Any], str]]) -> None:
+        self.layers = layers
+
+    def get(self, key: str, default: Any = None) -> tuple[Any, str]:
+        for doc, path in reversed(self.layers):
+            if key in doc:
+                return doc[key], f"{path}.{key}"
+        return default, f"{self.layers[0][1]}.{key}"
+
+    def has(self, key: str) -> bool:
+        return any(key in doc for doc, _ in self.layers)
+
+    def limits(self) -> dict[str, tuple[Any, str]]:
+        """Per model key: a ``limits.<m>`` entry replaces that model's entry whole."""
+        out: dict[str, tuple[Any, str]] = {}
+        for doc, path in self.layers:
+            if "limits" in doc:
+                for model, entry in _mapping(doc["limits"], f"{path}.limits").items():
+                    out[str(model)] = (entry, f"{path}.limits.{model}")
+        return out
+
+
+def _window(layers: _Layers) -> PlanWindow:
+    window_s, path = layers.get("window_s", 60)
+    seconds = _int(window_s, path)
+    kind, kind_path = layers.get("window", "fixed")
+    _choice(kind, kind_path, ("fixed", "sliding"))
+    bucket, bucket_path = layers.get("bucket_s")
+    if bucket is not None and kind != "sliding":
+        raise ConfigError(bucket_path, "only applies to window: sliding")
+    if kind == "sliding":
+        default = bucket is None
+        bucket = limits.default_bucket(seconds) if default else bucket  # type: ignore[arg-type]
+        limits.sliding(seconds, bucket, bucket_path, default=default)  # type: ignore[arg-type]
+    zone, zone_path = layers.get("timezone", "UTC")
+    return PlanWindow(
+        kind=kind,
+        seconds=seconds,  # type: ignore[arg-type]
+        bucket_s=bucket or 1,
+        timezone=limits.timezone(zone, zone_path),
+    )
+
+
+def _entry(doc: Any, path: str, window: PlanWindow) -> Entry:
+    doc = _mapping({} if doc is None else doc, path)
+    _known(doc, _LIMIT_KEYS, path)
+    found: list[Sourced] = []
+    for key, metric in _SUGAR.items():
+        if doc.get(key) is not None:
+            where = f"{path}.{key}"
+            amount = (limits.cost_limit if metric == "cost" else limits.check_limit)(
+                doc[key], where
+            )
+            found.append(Sourced(LimitRule(metric, amount, window.spec()), where))
+    if "rules" in doc:
+        found.extend(limits.rules(doc["rules"], f"{path}.rules", window))
+    batch = _int(doc.get("batch_tokens"), f"{path}.batch_tokens", optional=True)
+    return Entry(rules=tuple(found), batch_tokens=batch)
+
+
+def _tenant_rules(layers: _Layers, window: PlanWindow) -> list[Sourced]:
+    found: list[Sourced] = []
+    tpm, path = layers.get("tenant_tpm")
+    if tpm is not None:
+        found.append(
+            Sourced(LimitRule("tokens", limits.check_limit(tpm, path), window.spec()), path)
         )
-    return out
+    for key, (metric, period) in _CALENDAR_SUGAR.items():
+        value, path = layers.get(key)
+        if value is not None:
+            amount = (limits.cost_limit if metric == "cost" else limits.check_limit)(value, path)
+            found.append(Sourced(LimitRule(metric, amount, window.calendar(period)), path))
+    general, path = layers.get("tenant_rules")
+    if general is not None:
+        found.extend(limits.rules(general, path, window))
+    return found
 
 
-def _plan(name: str, doc: Any, path: str, base: PlanSpec | None = None) -> PlanSpec:
-    doc = _mapping(doc, path)
-    _known(doc, _PLAN_KEYS if base is None else _OVERRIDE_KEYS, path)
+def _plan(
+    name: str,
+    layers: _Layers,
+    models: dict[str, ModelSpec],
+    rls_limits: dict[str, Entry] | None = None,
+    rls_tenant: dict[str, Layer] | None = None,
+) -> PlanSpec:
+    """One plan (a tenant's: its overrides as a second layer) with every limit as rules."""
+    for i, (doc, path) in enumerate(layers.layers):
+        _known(doc, _PLAN_KEYS if i == 0 else _OVERRIDE_KEYS, path)
+    window = _window(layers)
+    entries = {model: _entry(doc, path, window) for model, (doc, path) in layers.limits().items()}
+    base_path = layers.layers[0][1]
+    if rls_limits is not None:
+        entries = {**rls_limits, **entries}  # the caller refused limits in both places
+    elif not entries and not layers.has("limits"):
+        raise ConfigError(f"{base_path}.limits", "is required (use '*' for every model)")
+    for model, (_, path) in layers.limits().items():
+        if model != "*" and model not in models:
+            raise ConfigError(path, "is not a configured model")
+    if rls_tenant is not None:
+        entries = limits.layer_over(entries, rls_tenant)
+    tenant_rules = _tenant_rules(layers, window)
+    shadow, shadow_path = layers.get("shadow", False)
+    if _bool(shadow, shadow_path):
+        entries = {m: Entry(limits.shadowed(e.rules), e.batch_tokens) for m, e in entries.items()}
+        tenant_rules = list(limits.shadowed(tenant_rules))
+    _check_rules(entries, tenant_rules, models)
 
-    def pick(key: str, default: Any) -> Any:
-        if key in doc:
-            return doc[key]
-        return getattr(base, key) if base is not None else default
+    def pick(key: str, default: Any) -> tuple[Any, str]:
+        return layers.get(key, default)
 
-    limits = dict(base.limits) if base is not None else {}
-    if "limits" in doc:
-        limits.update(_limits(doc["limits"], f"{path}.limits"))
-    elif base is None:
-        raise ConfigError(f"{path}.limits", "is required (use '*' for every model)")
     return PlanSpec(
         name=name,
-        limits=limits,
-        window_s=_int(pick("window_s", 60), f"{path}.window_s"),  # type: ignore[arg-type]
-        tenant_tpm=_int(pick("tenant_tpm", None), f"{path}.tenant_tpm", optional=True),
-        daily_tokens=_int(pick("daily_tokens", None), f"{path}.daily_tokens", optional=True),
-        charge_mode=_choice(  # type: ignore[arg-type]
-            pick("charge_mode", "incremental"),
-            f"{path}.charge_mode",
-            ("incremental", "reserve_max"),
-        ),
-        batch_tokens=_int(pick("batch_tokens", 32), f"{path}.batch_tokens"),  # type: ignore[arg-type]
-        on_exhaustion=_choice(  # type: ignore[arg-type]
-            pick("on_exhaustion", "error"), f"{path}.on_exhaustion", ("error", "truncate")
-        ),
-        on_backend_failure=_choice(  # type: ignore[arg-type]
-            pick("on_backend_failure", "closed"), f"{path}.on_backend_failure", ("closed", "open")
-        ),
-        fail_open_fraction=_fraction(pick("fail_open_fraction", 0.1), f"{path}.fail_open_fraction"),
+        limits={
+            m: LimitSpec(rules=_ordered(e.rules), batch_tokens=e.batch_tokens)
+            for m, e in entries.items()
+        },
+        tenant_rules=_ordered(tenant_rules),
+        charge_mode=_choice(*pick("charge_mode", "incremental"), ("incremental", "reserve_max")),  # type: ignore[arg-type]
+        batch_tokens=_int(*pick("batch_tokens", 32)),  # type: ignore[arg-type]
+        on_exhaustion=_choice(*pick("on_exhaustion", "error"), ("error", "truncate")),  # type: ignore[arg-type]
+        on_backend_failure=_choice(*pick("on_backend_failure", "closed"), ("closed", "open")),  # type: ignore[arg-type]
+        fail_open_fraction=_fraction(*pick("fail_open_fraction", 0.1)),
     )
+
+
+def _ordered(rules: Any) -> tuple[LimitRule, ...]:
+    return tuple(sorted((s.rule for s in rules), key=limits.rule_order))
+
+
+def _check_rules(
+    entries: dict[str, Entry], tenant_rules: list[Sourced], models: dict[str, ModelSpec]
+) -> None:
+    """Duplicates, and prices for every model a cost rule reaches."""
+    by_star = [m for name, m in sorted(models.items()) if name not in entries]
+    reached: list[ModelSpec] = []
+    for model, entry in entries.items():
+        limits.check_duplicates(entry.rules)
+        scope = by_star if model == "*" else [models[model]] if model in models else []
+        limits.check_cost(entry.rules, scope)
+        reached.extend(scope)
+    limits.check_duplicates(tenant_rules)
+    limits.check_cost(tenant_rules, reached)
 
 
 def _model(name: str, doc: Any, path: str) -> ModelSpec:
@@ -230,6 +361,9 @@ def _model(name: str, doc: Any, path: str) -> ModelSpec:
         continuous_usage=_bool(doc.get("continuous_usage", False), f"{path}.continuous_usage"),
         reserve_max=_bool(doc.get("reserve_max", False), f"{path}.reserve_max"),
         upstream_authorization=_upstream_credential(doc, path),
+        prices=None
+        if doc.get("prices") is None
+        else limits.prices(doc["prices"], f"{path}.prices"),
     )
 
 
@@ -268,11 +402,11 @@ def _upstream_credential(doc: dict[str, Any], path: str) -> str | None:
     return f"Bearer {secret}"
 
 
-def _tenant(tenant_id: str, doc: Any, path: str, plans: dict[str, PlanSpec]) -> TenantSpec:
+def _tenant(tenant_id: str, doc: Any, path: str, plans: _Plans, rls: RlsLimits) -> TenantSpec:
     doc = _mapping(doc, path)
     _known(doc, _TENANT_KEYS, path)
     plan_name = _str(doc.get("plan"), f"{path}.plan")
-    if plan_name not in plans:
+    if plan_name not in plans.specs:
         raise ConfigError(f"{path}.plan", f"unknown plan {plan_name!r}")
     hashes = doc.get("key_sha256", [])
     if isinstance(hashes, str):
@@ -284,14 +418,85 @@ def _tenant(tenant_id: str, doc: Any, path: str, plans: dict[str, PlanSpec]) -> 
             raise ConfigError(
                 f"{path}.key_sha256[{i}]", "must be 64 hex characters (sha256 of the key)"
             )
-    plan = plans[plan_name]
-    if "overrides" in doc:
-        plan = _plan(plan_name, doc["overrides"], f"{path}.overrides", base=plan)
+    plan = plans.specs[plan_name]
+    own = rls.tenants.get(tenant_id)
+    if "overrides" in doc or own is not None:
+        overrides = _mapping(
+            {} if doc.get("overrides") is None else doc["overrides"], f"{path}.overrides"
+        )
+        if own is not None and "limits" in overrides:
+            raise ConfigError(
+                f"{path}.overrides.limits",
+                f"{rls.tenant_paths[tenant_id]} also defines this tenant's limits: "
+                "define them in one place",
+            )
+        layers = _Layers([*plans.layers[plan_name].layers, (overrides, f"{path}.overrides")])
+        # The tenant's plan keeps the plan's name: it is what the ledger and metrics show.
+        plan = _plan(plan_name, layers, plans.models, plans.rls.get(plan_name), own)
     return TenantSpec(id=tenant_id, plan=plan, key_sha256=tuple(h.lower() for h in hashes))
 
 
-def parse_config(doc: Any) -> Config:
-    """Validate a loaded YAML document. Raises ConfigError naming the first wrong field."""
+class _Plans:
+    """Every plan, from the YAML and the RLS document, and what builds each (a tenant's
+    plan is built again from the same layers with its overrides on top)."""
+
+    def __init__(self, doc: Any, models: dict[str, ModelSpec], rls: RlsLimits) -> None:
+        self.models = models
+        self.layers: dict[str, _Layers] = {}
+        self.rls: dict[str, dict[str, Entry]] = {}
+        self.specs: dict[str, PlanSpec] = {}
+        raw = {str(k): v for k, v in _mapping(doc, "plans").items()}
+        for name in rls.plans:
+            raw.setdefault(name, {})  # a plan only in RLS: default settings
+        for name, spec in raw.items():
+            path = f"plans.{name}"
+            spec = _mapping({} if spec is None else spec, path)
+            from_rls = name in rls.plans or bool(rls.every_plan)
+            if from_rls:
+                where = rls.plan_paths.get(name, rls.every_plan_path)
+                if "limits" in spec:
+                    raise ConfigError(
+                        f"{path}.limits",
+                        f"{where} also defines this plan's limits: define them in one place",
+                    )
+                every = limits.layer_over({}, rls.every_plan)
+                self.rls[name] = limits.layer_over(every, rls.plans.get(name, {}))
+            self.layers[name] = _Layers([(spec, path)])
+            self.specs[name] = _plan(name, self.layers[name], models, self.rls.get(name))
+
+
+def _ratelimit(
+    doc: dict[str, Any], base_dir: Path | None, index: dict[str, ModelSpec]
+) -> RlsLimits:
+    """The RLS document, inline (``ratelimit``) or in a file (``ratelimit_file``)."""
+    inline, file = doc.get("ratelimit"), doc.get("ratelimit_file")
+    if inline is not None and file is not None:
+        raise ConfigError("ratelimit", "set ratelimit or ratelimit_file, not both")
+    if inline is not None:
+        return parse_ratelimit(inline, "ratelimit", index)
+    if file is None:
+        return RlsLimits()
+    where = Path(_str(file, "ratelimit_file"))
+    if not where.is_absolute() and base_dir is not None:
+        where = base_dir / where
+    return parse_ratelimit(read_file(where), "ratelimit_file", index)
+
+
+def _check_replaces(
+    rls: RlsLimits, plans: dict[str, PlanSpec], tenants: dict[str, TenantSpec]
+) -> None:
+    names = set(rls.names)
+    for plan in [*plans.values(), *(t.plan for t in tenants.values())]:
+        for rule in [*plan.tenant_rules, *(r for s in plan.limits.values() for r in s.rules)]:
+            names.add(rule.name)
+    for name, where in rls.replaces:
+        if name not in names:
+            raise ConfigError(where, f"replaces {name!r}, which no limit is named")
+
+
+def parse_config(doc: Any, base_dir: Path | None = None) -> Config:
+    """Validate a loaded YAML document. Raises ConfigError naming the first wrong field.
+    ``base_dir``: where a relative ``ratelimit_file`` is (the config file's directory)."""
     doc = _mapping(doc, "(top level)")
     _known(doc, _TOP_KEYS, "")
     models = {
@@ -304,18 +509,17 @@ def parse_config(doc: Any) -> Config:
             if name in index and index[name] is not spec:
                 raise ConfigError(f"models.{spec.name}", f"name or alias {name!r} used twice")
             index[name] = spec
-    plans = {
-        str(name): _plan(str(name), spec, f"plans.{name}")
-        for name, spec in _mapping(doc.get("plans"), "plans").items()
-    }
-    for plan in plans.values():
-        for model in plan.limits:
-            if model != "*" and model not in models:
-                raise ConfigError(f"plans.{plan.name}.limits.{model}", "is not a configured model")
+    rls = _ratelimit(doc, base_dir, index)
+    built = _Plans(doc.get("plans", {}), models, rls)
+    plans = built.specs
+    tenant_docs = {str(k): v for k, v in _mapping(doc.get("tenants"), "tenants").items()}
+    for tid in rls.tenants:
+        if tid not in tenant_docs:
+            raise ConfigError(rls.tenant_paths[tid], f"tenant {tid!r} is not under tenants")
     tenants = {
-        str(tid): _tenant(str(tid), spec, f"tenants.{tid}", plans)
-        for tid, spec in _mapping(doc.get("tenants"), "tenants").items()
+        tid: _tenant(tid, spec, f"tenants.{tid}", built, rls) for tid, spec in tenant_docs.items()
     }
+    _check_replaces(rls, plans, tenants)
     seen: dict[str, str] = {}
     for tenant in tenants.values():
         for digest in tenant.key_sha256:
@@ -388,18 +592,17 @@ PER_REPLICA_FIELDS = frozenset({"listen"})
 def _normalise(config: Config) -> dict[str, Any]:
     """A canonical plain form: defaults filled in, overrides merged, secrets only as hashes."""
 
-    def limits(spec: dict[str, LimitSpec]) -> dict[str, Any]:
+    def entries(spec: dict[str, LimitSpec]) -> dict[str, Any]:
         return {
-            k: {"rpm": v.rpm, "tpm": v.tpm, "batch_tokens": v.batch_tokens}
+            k: {"rules": [limits.normal_rule(r) for r in v.rules], "batch_tokens": v.batch_tokens}
             for k, v in sorted(spec.items())
         }
 
     def plan(p: PlanSpec) -> dict[str, Any]:
+        # Every limit as a rule, whichever form (sugar, rules, RLS) defined it.
         return {
-            "limits": limits(p.limits),
-            "window_s": p.window_s,
-            "tenant_tpm": p.tenant_tpm,
-            "daily_tokens": p.daily_tokens,
+            "limits": entries(p.limits),
+            "tenant_rules": [limits.normal_rule(r) for r in p.tenant_rules],
             "charge_mode": p.charge_mode,
             "batch_tokens": p.batch_tokens,
             "on_exhaustion": p.on_exhaustion,
@@ -442,6 +645,14 @@ def _normalise(config: Config) -> dict[str, Any]:
                 "upstream_name": m.served_name,
                 "continuous_usage": m.continuous_usage,
                 "reserve_max": m.reserve_max,
+                "prices": None
+                if m.prices is None
+                else {
+                    "input": m.prices.input,
+                    "output": m.prices.output,
+                    "cached_input": m.prices.cached_input,
+                    "unit": "nano per token",
+                },
                 # Only whether a credential is set: the secret never reaches logs or hashes.
                 "upstream_credential": m.upstream_authorization is not None,
             }
@@ -498,4 +709,4 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Co
         raise ConfigError(str(path), f"invalid YAML: {exc}") from exc
     if overrides and isinstance(doc, dict):
         doc = {**doc, **overrides}
-    return parse_config(doc)
+    return parse_config(doc, Path(path).parent)

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from extproc.quota.base import LedgerSettings
+from extproc.quota.base import LedgerSettings, Period, WindowKind, WindowSpec
+
+__all__ = ["Period", "WindowKind", "WindowSpec"]  # re-exported: defined with the counters
 
 ChargeMode = Literal["incremental", "reserve_max"]
 OnExhaustion = Literal["error", "truncate"]
@@ -26,28 +28,10 @@ class ConfigError(ValueError):
 
 
 Metric = Literal["requests", "tokens", "input_tokens", "output_tokens", "cost"]
-WindowKind = Literal["fixed", "sliding", "calendar"]
-Period = Literal["day", "week", "month"]
 # Cost counters count nano-units (1e-9) of the configured currency: a price per million
 # tokens with up to three decimals is a whole number of nano-units per token, and a
 # budget up to ~9 million currency units stays exact in Lua's doubles (2**53).
 NANO_PER_UNIT = 1_000_000_000
-
-
-@dataclass(frozen=True, slots=True)
-class WindowSpec:
-    """Where a limit's window starts and ends.
-
-    ``fixed``: epoch-aligned ``seconds`` (like envoyproxy/ratelimit). ``sliding``: no
-    interval of ``seconds`` carries more than the limit, counted in ``bucket_s`` buckets
-    (``seconds`` % ``bucket_s`` == 0). ``calendar``: the ``period`` (day, week from Monday,
-    month) in ``timezone``, an IANA name."""
-
-    kind: WindowKind = "fixed"
-    seconds: int = 60
-    bucket_s: int = 1
-    period: Period | None = None
-    timezone: str = "UTC"
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,8 +82,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-CounterKind = Literal["rpm", "tpm", "tenant_tpm", "daily"]
-TOKEN_KINDS: frozenset[CounterKind] = frozenset({"tpm", "tenant_tpm", "daily"})
+# A counter's kind names its metric, scope and window (``admission.policy.kind_of``):
+# rpm, tpm, itpm, otpm, cost; tenant_* for a tenant-wide one; daily, weekly, monthly
+# (+ _requests, _input, _output, _cost) for calendar budgets. Headers, errors, metrics and
+# the ledger carry it.
+CounterKind = str
+Shape = Literal["fixed", "sliding", "calendar"]
+Unit = Literal["requests", "tokens", "cost"]
+
+
+def unit_of(kind: CounterKind) -> Unit:
+    """What a counter of this kind counts."""
+    if kind in ("rpm", "tenant_rpm") or kind.endswith("_requests"):
+        return "requests"
+    if kind.endswith("cost"):
+        return "cost"
+    return "tokens"
+
+
 # Why a request was settled, as the usage ledger records it. ``cancelled``: an admission
 # whose reply was lost, reconciled by ``cancel`` (only recorded when it had run and
 # charged); ``orphaned``: a dead processor's record settled by a peer.
@@ -138,18 +154,54 @@ class QuotaTimeout(QuotaUnavailable):
     """The backend did not answer within the per-call deadline (``command_timeout_s``)."""
 
 
+WindowKind = Literal["fixed", "sliding", "calendar"]
+Period = Literal["day", "week", "month"]
+@dataclass(frozen=True, slots=True)
+class WindowSpec:
+    """Where a limit's window starts and ends.
+
+    ``fixed``: epoch-aligned ``seconds`` (like envoyproxy/ratelimit). ``sliding``: no
+    interval of ``seconds`` carries more than the limit, counted in ``bucket_s`` buckets
+    (``seconds`` % ``bucket_s`` == 0). ``calendar``: the ``period`` (day, week from Monday,
+    month) in ``timezone``, an IANA name."""
+
+    kind: WindowKind = "fixed"
+    seconds: int = 60
+    bucket_s: int = 1
+    period: Period | None = None
+    timezone: str = "UTC"
+
+
 @dataclass(frozen=True, slots=True)
 class Counter:
-    """One fixed-window limit. ``key`` is a prefix; the backend appends the window start."""
+    """One limit. ``key`` is a prefix: a fixed or calendar window's key is ``key:<start>``;
+    a sliding counter is the hash at ``key`` (one field per ``bucket_s`` bucket).
+
+    Windows (``windows.bounds``): ``fixed`` is epoch-aligned ``window_s``; ``calendar`` the
+    local ``period`` (day, week, month) in ``timezone``; ``sliding`` counts every charge of
+    the last ``window_s`` (in whole buckets: exact as an upper bound, see README).
+
+    A token counter charges ``weights`` = (per input token, per output token, per cached
+    input token): (1, 1, 1) is total tokens, (1, 0, 1) input only, (0, 1, 0) output only,
+    prices in nano-units a cost. Cached input is only known at settlement: admission charges
+    the whole prompt at the input weight and settlement refunds the difference. A ``shadow``
+    counter is charged like any other but never refuses nor cuts: what it would have done
+    is reported (``Verdict.shadow_refused_by``, ``Grant.shadow_cut_by``)."""
 
     kind: CounterKind
     key: str
     limit: int
-    window_s: int
+    window_s: int  # fixed and sliding; calendar: the period's nominal length (messages)
     # This processor's own allowance on the counter while the backend is unavailable (a
     # plan with ``on_backend_failure: open``: ``limit`` × ``fail_open_fraction``, rounded
     # up); None: requests on it fail closed. Backends themselves ignore it.
     fail_open_limit: int | None = None
+    shape: Shape = "fixed"
+    bucket_s: int = 1  # sliding
+    period: str = ""  # calendar: day | week | month
+    timezone: str = "UTC"  # calendar
+    weights: tuple[int, int, int] = (1, 1, 1)
+    shadow: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +211,10 @@ class CounterState:
     kind: CounterKind
     limit: int
     remaining: int  # never negative
-    reset_s: float  # seconds until this counter's window ends
+    reset_s: float  # seconds until the counter is back to zero (the window ends)
+    # Seconds until the charge it refused would fit (a sliding window frees part of its
+    # count before it is back to zero); None: at ``reset_s``.
+    retry_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +234,8 @@ class Verdict:
     local: bool = False
     # A soft refusal (``AdmitRequest.soft_refusal``): nothing charged or recorded.
     retry_soon: bool = False
+    # Shadow counters that would have refused this admission (it went ahead).
+    shadow_refused_by: tuple[CounterKind, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +275,8 @@ class Grant:
     # On a refusal: other admitted, unsettled requests of the tenant, whose unused
     # reservations come back when they settle (the refusal may not be final).
     others_open: int = 0
+    # Shadow counters that had less room than this grant (they would have cut it).
+    shadow_cut_by: tuple[CounterKind, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +337,7 @@ class QuotaBackend(Protocol):
         *,
         reason: SettleReason = "completed",
         output_tokens: int | None = None,
+        cached_tokens: int = 0,
     ) -> Settlement: ...
 
     async def cancel(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as dt
 from zoneinfo import ZoneInfo
 
-from extproc.config.schema import Period, WindowSpec
+from extproc.quota.base import Period, WindowSpec
 
 _DAY = dt.timedelta(days=1)
 

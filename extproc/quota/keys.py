@@ -2,9 +2,13 @@
 
 Layout (``<t>``, ``<m>`` and ``<id>`` are percent-encoded)::
 
-    <prefix>:{<t>}:c:<kind>:<m>:<window_s>     counter prefix; backends append :<window_start>
-    <prefix>:{<t>}:c:<kind>:*:<window_s>       tenant-wide counter (no model)
-    <prefix>:{<t>}:c:<kind>:<m>:<window_s>:<start>   one window of it (what scripts touch)
+    <prefix>:{<t>}:c:<kind>:<m>:<span>         counter prefix; backends append :<window_start>
+    <prefix>:{<t>}:c:<kind>:*:<span>           tenant-wide counter (no model)
+    <prefix>:{<t>}:c:<kind>:<m>:<span>:<start> one window of it (what scripts touch)
+
+``<span>`` names the window: ``<window_s>`` for a fixed one, ``sl<window_s>.<bucket_s>``
+for a sliding one (whose counter is the hash at the prefix itself, one field per bucket),
+``<period>.<zone>`` for a calendar one (``month.Europe%2FBerlin``).
     <prefix>:{<t>}:r:<id>                      reservation record of one request
     <prefix>:{<t>}:open                        the tenant's count of open requests
     <prefix>:{<t>}:usage                       the tenant's usage ledger (a Stream)
@@ -27,7 +31,7 @@ Why this shape:
 
 from __future__ import annotations
 
-from typing import get_args
+import re
 
 from extproc.quota.base import CounterKind
 
@@ -36,7 +40,7 @@ TENANT_WIDE = "*"
 PROCESSOR_TAG = "{~p}"
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
-_KINDS: frozenset[str] = frozenset(get_args(CounterKind))
+_KIND = re.compile(r"^[a-z_]+$")
 
 
 def encode_name(name: str) -> str:
@@ -79,16 +83,29 @@ def counter_key(
     model: str | None,
     window_s: int,
     prefix: str = DEFAULT_PREFIX,
+    span: str | None = None,
 ) -> str:
-    """Prefix of a fixed-window counter; ``model=None`` is a tenant-wide counter."""
-    if kind not in _KINDS:
-        raise ValueError(f"unknown counter kind {kind!r}; expected one of {sorted(_KINDS)}")
+    """Prefix of a counter; ``model=None`` is a tenant-wide counter. ``span`` names a
+    sliding or calendar window (``window_span``); None: a fixed window of ``window_s``."""
+    if not _KIND.match(kind):
+        raise ValueError(f"counter kind must be lowercase letters and _, got {kind!r}")
     if model == "":
         raise ValueError("model must be non-empty; use None for a tenant-wide counter")
     if window_s <= 0:
         raise ValueError(f"window_s must be positive, got {window_s}")
     model_part = TENANT_WIDE if model is None else encode_name(model)
-    return f"{tenant_tag(tenant, prefix)}:c:{kind}:{model_part}:{int(window_s)}"
+    return f"{tenant_tag(tenant, prefix)}:c:{kind}:{model_part}:{span or int(window_s)}"
+
+
+def window_span(
+    shape: str, window_s: int, bucket_s: int = 1, period: str = "", zone: str = ""
+) -> str:
+    """The ``<span>`` part of a counter key for a window shape."""
+    if shape == "sliding":
+        return f"sl{window_s}.{bucket_s}"
+    if shape == "calendar":
+        return f"{period}.{encode_name(zone)}"
+    return str(int(window_s))
 
 
 def reservation_key(tenant: str, request_id: str, prefix: str = DEFAULT_PREFIX) -> str:

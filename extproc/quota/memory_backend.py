@@ -36,7 +36,7 @@ from extproc.quota.base import (
 from extproc.quota.keys import decode_name, records_prefix, usage_stream_key, window_key
 
 # kind, window_s, window_start of a window key (keys.counter_key + ":<start>").
-_WINDOW_KEY = re.compile(r":c:([a-z_]+):[^:]*:(\d+):(\d+)$")
+_WINDOW_KEY = re.compile(r":c:([a-z_]+):[^:]*:([^:]+):(\d+)$")
 _KIND_RANK = {"tpm": 1, "tenant_tpm": 2, "daily": 3}
 LedgerEntry = tuple[str, dict[str, str]]
 
@@ -47,8 +47,8 @@ class _Record:
 
     admitted: bool
     refused_by: CounterKind | None
-    # First verdict as (kind, limit, window_s, value, window_start), replayed verbatim.
-    verdict: tuple[tuple[CounterKind, int, int, int, int], ...]
+    # First verdict as (kind, limit, value, reset_at, retry_at or None), replayed verbatim.
+    verdict: tuple[tuple[CounterKind, int, int, int, int | None], ...]
     expires_at: float
     reserved: int = 0
     charged: dict[str, int] = field(default_factory=dict)  # window key -> tokens
@@ -59,6 +59,116 @@ class _Record:
     tags: UsageTags = field(default_factory=UsageTags)
     admitted_at_us: str = ""
     net: dict[str, int] = field(default_factory=dict)  # window key -> kept after settling
+    shadow_refused_by: tuple[CounterKind, ...] = ()
+
+
+@dataclass(slots=True)
+class _SlidingHash:
+    """What a sliding counter's Redis hash holds: buckets, their sum, the oldest present."""
+
+    buckets: dict[int, int]
+    lo: int
+    total: int
+    expires_at: float
+
+
+class _Open:
+    """One counter in one call, step for step what ``lua/counters.lua`` does."""
+
+    __slots__ = ("b", "c", "cur", "cutoff", "key", "now", "start", "stop", "value")
+
+    def __init__(self, backend: MemoryQuotaBackend, c: Counter, now_s: int, now: float) -> None:
+        self.b, self.c, self.now = backend, c, now
+        key, a, b = windows.key_of(c, now_s)
+        self.key = key
+        if c.shape == "sliding":
+            self.cur = now_s - now_s % c.bucket_s
+            self.cutoff = self.cur - c.window_s
+            self.start, self.stop = self.cur, self.cur + c.window_s + c.bucket_s
+        else:
+            self.start, self.stop = a, b
+        self.value = 0
+
+    def _hash(self) -> _SlidingHash | None:
+        h = self.b._sliding.get(self.key)
+        return h if h is not None and h.expires_at > self.now else None
+
+    def read(self) -> int:
+        if self.c.shape != "sliding":
+            self.value = self.b._get(self.key, self.now)
+            return self.value
+        h = self._hash()
+        if h is None:
+            self.value = 0
+            return 0
+        if self.cutoff - h.lo > self.c.window_s:
+            del self.b._sliding[self.key]
+            self.value = 0
+            return 0
+        for start in [k for k in h.buckets if k < self.cutoff]:
+            h.total -= h.buckets.pop(start)
+        h.lo = max(h.lo, self.cutoff)
+        self.value = h.total
+        return h.total
+
+    def charge(self, amount: int) -> str:
+        """Add to the current window or bucket; the record field (window key) it went to."""
+        c = self.c
+        if c.shape != "sliding":
+            entry = self.b._counters.get(self.key)
+            if entry is None or entry[1] <= self.now:
+                entry = (0, self.stop + windows.EXPIRY_MARGIN_S)
+            self.value = entry[0] + amount
+            self.b._counters[self.key] = (self.value, entry[1])
+            return self.key
+        h = self._hash()
+        if h is None:
+            h = self.b._sliding[self.key] = _SlidingHash({}, self.cutoff, 0, 0.0)
+        h.buckets[self.cur] = h.buckets.get(self.cur, 0) + amount
+        h.total += amount
+        h.expires_at = self.cur + c.window_s + c.bucket_s + windows.EXPIRY_MARGIN_S
+        self.value = h.total
+        return window_key(c.key, self.cur)
+
+    def refund(self, start: int, amount: int) -> int:
+        if self.c.shape != "sliding":
+            if start != self.start:
+                return 0
+            take = min(amount, self.value)
+            if take > 0:
+                value, expires_at = self.b._counters[self.key]
+                self.b._counters[self.key] = (value - take, expires_at)
+                self.value -= take
+            return take
+        h = self._hash()
+        if start < self.cutoff or h is None:
+            return 0
+        take = min(amount, h.buckets.get(start, 0))
+        if take > 0:
+            h.buckets[start] -= take
+            h.total -= take
+            self.value -= take
+        return take
+
+    def retry_at(self, cost: int) -> int | None:
+        h = self._hash()
+        if self.c.shape != "sliding" or h is None:
+            return None
+        return windows.sliding_retry_at(
+            h.buckets, h.total, cost, self.c.limit, self.c.window_s, self.c.bucket_s
+        )
+
+    def charged(self, record: _Record) -> list[tuple[int, int, str]]:
+        """The record's charges on this counter, newest first: (start, amount, key)."""
+        head = self.c.key + ":"
+        return sorted(
+            (
+                (int(k[len(head) :]), amount, k)
+                for k, amount in record.charged.items()
+                if k.startswith(head) and k[len(head) :].isdigit()
+            ),
+            reverse=True,
+        )
 
 
 class MemoryQuotaBackend:
@@ -78,6 +188,7 @@ class MemoryQuotaBackend:
         self._clock = clock
         self.settled_ttl_s = settled_ttl_s
         self._counters: dict[str, tuple[int, float]] = {}  # window key -> (value, expires_at)
+        self._sliding: dict[str, _SlidingHash] = {}
         self._records: dict[str, _Record] = {}
         self._sweep_interval_s = sweep_interval_s
         self._next_sweep = 0.0
@@ -104,6 +215,7 @@ class MemoryQuotaBackend:
             # Amortised expiry: one pass every few seconds keeps memory bounded by the live
             # windows without a timer task.
             self._counters = {k: e for k, e in self._counters.items() if e[1] > now}
+            self._sliding = {k: h for k, h in self._sliding.items() if h.expires_at > now}
             self._records = {k: r for k, r in self._records.items() if r.expires_at > now}
             self._next_sweep = now + self._sweep_interval_s
         return now, math.floor(now)
@@ -111,14 +223,6 @@ class MemoryQuotaBackend:
     def _get(self, key: str, now: float) -> int:
         entry = self._counters.get(key)
         return entry[0] if entry is not None and entry[1] > now else 0
-
-    def _incr(self, key: str, amount: int, start: int, window_s: int, now: float) -> int:
-        entry = self._counters.get(key)
-        if entry is None or entry[1] <= now:
-            entry = (0, start + window_s + windows.EXPIRY_MARGIN_S)
-        value = entry[0] + amount
-        self._counters[key] = (value, entry[1])
-        return value
 
     def _record(self, key: str, now: float) -> _Record | None:
         record = self._records.get(key)
@@ -133,17 +237,23 @@ class MemoryQuotaBackend:
 
         counters = request.request_counters + request.token_counters
         n_req = len(request.request_counters)
-        starts = [windows.window_start(now_s, c.window_s) for c in counters]
-        keys = [window_key(c.key, s) for c, s in zip(counters, starts, strict=True)]
-        values = [self._get(k, now) for k in keys]
+        opened = [_Open(self, c, now_s, now) for c in counters]
+        prompt = min(request.usage.prompt_tokens if request.usage else 0, request.tokens)
+        costs = [
+            1 if i < n_req else prompt * c.weights[0] + (request.tokens - prompt) * c.weights[1]
+            for i, c in enumerate(counters)
+        ]
         refused_by: CounterKind | None = None
+        refused_at = -1
         refused_fits = False
+        would: list[CounterKind] = []
         for i, c in enumerate(counters):
-            cost = 1 if i < n_req else request.tokens
-            if values[i] + cost > c.limit:
-                refused_by = c.kind
-                refused_fits = i >= n_req and cost <= c.limit
-                break
+            if opened[i].read() + costs[i] > c.limit:
+                if c.shadow:
+                    would.append(c.kind)
+                elif refused_by is None:
+                    refused_by, refused_at = c.kind, i
+                    refused_fits = i >= n_req and costs[i] <= c.limit
         admitted = refused_by is None
         if (
             request.soft_refusal
@@ -152,17 +262,15 @@ class MemoryQuotaBackend:
         ):
             return Verdict(admitted=False, retry_soon=True)
 
-        def charge(i: int, amount: int) -> None:
-            values[i] = self._incr(keys[i], amount, starts[i], counters[i].window_s, now)
-
         if admitted or request.count_refused_attempts:
             for i in range(n_req):
-                charge(i, 1)
+                opened[i].charge(1)
         record = _Record(
             admitted=admitted,
             refused_by=refused_by,
             verdict=(),
             expires_at=now_s + request.record_ttl_s,
+            shadow_refused_by=tuple(would) if admitted else (),
         )
         if admitted:
             record.tags = request.usage or UsageTags()
@@ -170,10 +278,17 @@ class MemoryQuotaBackend:
             if request.tokens > 0 and request.token_counters:
                 record.reserved = request.tokens
                 for i in range(n_req, len(counters)):
-                    charge(i, request.tokens)
-                    record.charged[keys[i]] = request.tokens
+                    if costs[i] > 0:
+                        record.charged[opened[i].charge(costs[i])] = costs[i]
         record.verdict = tuple(
-            (c.kind, c.limit, c.window_s, values[i], starts[i]) for i, c in enumerate(counters)
+            (
+                c.kind,
+                c.limit,
+                opened[i].value,
+                opened[i].stop,
+                opened[i].retry_at(costs[i]) if i == refused_at else None,
+            )
+            for i, c in enumerate(counters)
         )
         self._records[request.reservation_key] = record
         return self._verdict(record, now, replayed=False)
@@ -181,8 +296,8 @@ class MemoryQuotaBackend:
     @staticmethod
     def _verdict(record: _Record, now: float, replayed: bool) -> Verdict:
         states = tuple(
-            windows.counter_state(kind, limit, window_s, value, start, now)
-            for kind, limit, window_s, value, start in record.verdict
+            windows.counter_state(kind, limit, value, reset_at, now, retry_at)
+            for kind, limit, value, reset_at, retry_at in record.verdict
         )
         if record.cancelled:
             return Verdict(admitted=False, states=states, replayed=replayed, cancelled=True)
@@ -191,6 +306,7 @@ class MemoryQuotaBackend:
             refused_by=record.refused_by,
             states=states,
             replayed=replayed,
+            shadow_refused_by=record.shadow_refused_by,
         )
 
     async def reserve(
@@ -207,28 +323,36 @@ class MemoryQuotaBackend:
         if record is None or not record.admitted or record.settlement is not None:
             return Grant(granted=0)
 
-        starts = [windows.window_start(now_s, c.window_s) for c in token_counters]
-        keys = [window_key(c.key, s) for c, s in zip(token_counters, starts, strict=True)]
-        values = [self._get(k, now) for k in keys]
+        opened = [_Open(self, c, now_s, now) for c in token_counters]
+        granted = amount
+        rooms: list[int] = []
+        for o, c in zip(opened, token_counters, strict=True):
+            room = c.limit - o.read()
+            rooms.append(max(room, 0) // c.weights[1] if c.weights[1] > 0 else 0)
+            if c.weights[1] > 0 and not c.shadow:
+                granted = min(granted, rooms[-1])
 
         def states() -> tuple[CounterState, ...]:
             return tuple(
-                windows.counter_state(c.kind, c.limit, c.window_s, values[i], starts[i], now)
-                for i, c in enumerate(token_counters)
+                windows.counter_state(c.kind, c.limit, o.value, o.stop, now)
+                for o, c in zip(opened, token_counters, strict=True)
             )
 
         if seq in record.grants:
             return Grant(granted=record.grants[seq], states=states(), replayed=True)
-        granted = min([amount, *(c.limit - v for c, v in zip(token_counters, values, strict=True))])
-        if granted < minimum:
+        if granted < minimum or granted <= 0:
             others = self._others_open(reservation_key, now)
             return Grant(granted=0, states=states(), others_open=others)
-        for i, c in enumerate(token_counters):
-            values[i] = self._incr(keys[i], granted, starts[i], c.window_s, now)
-            record.charged[keys[i]] = record.charged.get(keys[i], 0) + granted
+        would: list[CounterKind] = []
+        for i, (o, c) in enumerate(zip(opened, token_counters, strict=True)):
+            if c.weights[1] > 0:
+                if c.shadow and rooms[i] < granted:
+                    would.append(c.kind)
+                key = o.charge(granted * c.weights[1])
+                record.charged[key] = record.charged.get(key, 0) + granted * c.weights[1]
         record.reserved += granted
         record.grants[seq] = granted
-        return Grant(granted=granted, states=states())
+        return Grant(granted=granted, states=states(), shadow_cut_by=tuple(would))
 
     def _others_open(self, reservation_key: str, now: float) -> int:
         """Admitted, unsettled requests of the same tenant (only asked on a refusal)."""
@@ -251,6 +375,7 @@ class MemoryQuotaBackend:
         *,
         reason: SettleReason = "completed",
         output_tokens: int | None = None,
+        cached_tokens: int = 0,
     ) -> Settlement:
         windows.check_settle(used, token_counters)
         windows.check_reason(reason, output_tokens, used)
@@ -261,7 +386,9 @@ class MemoryQuotaBackend:
         if record is None or not record.admitted:
             zeros = tuple(0 for _ in token_counters)
             return Settlement(reserved=0, used=used, refunded=0, refunded_per_counter=zeros)
-        record.settlement = self._settle(record, token_counters, used, now, now_s)
+        record.settlement = self._settle(
+            record, token_counters, used, output_tokens, cached_tokens, now, now_s
+        )
         self._append(reservation_key, record, reason, output_tokens, now)
         # settle.lua: EXPIRE settled_ttl_s unless the record would expire sooner.
         record.expires_at = min(record.expires_at, now + self.settled_ttl_s)
@@ -294,7 +421,7 @@ class MemoryQuotaBackend:
             )
             self._records[reservation_key] = record
         if record.admitted:
-            record.settlement = self._settle(record, token_counters, 0, now, now_s)
+            record.settlement = self._settle(record, token_counters, 0, None, 0, now, now_s)
             self._append(reservation_key, record, "cancelled", None, now)
         else:
             zeros = tuple(0 for _ in token_counters)
@@ -319,42 +446,38 @@ class MemoryQuotaBackend:
         record: _Record,
         token_counters: tuple[Counter, ...],
         used: int,
+        output_tokens: int | None,
+        cached_tokens: int,
         now: float,
         now_s: int,
     ) -> Settlement:
         """Commit ``used`` and refund the rest of an admitted record (settle.lua)."""
+        if output_tokens is None:
+            output_tokens = used - min(record.tags.prompt_tokens, used)
+        prompt = used - output_tokens
+        cached = min(cached_tokens, prompt)
         refunds: list[int] = []
         record.net = dict(record.charged)
         for c in token_counters:
-            head = c.key + ":"
-            charged = sorted(
-                (
-                    (int(k[len(head) :]), amount)
-                    for k, amount in record.charged.items()
-                    if k.startswith(head) and k[len(head) :].isdigit()
-                ),
-                reverse=True,
-            )
-            left = record.reserved - used
+            o = _Open(self, c, now_s, now)
+            o.read()
+            w_in, w_out, w_cached = c.weights
+            used_c = (prompt - cached) * w_in + output_tokens * w_out + cached * w_cached
+            charged = o.charged(record)
+            left = sum(amount for _, amount, _ in charged) - used_c
             refunded = 0
-            for start, amount in charged:
+            for start, amount, key in charged:
                 if left <= 0:
                     break
                 take = min(left, amount)
                 left -= take
-                if start + c.window_s > now_s:  # an ended window keeps its share
-                    key = window_key(c.key, start)
-                    take = min(take, self._get(key, now))
-                    if take > 0:
-                        value, expires_at = self._counters[key]
-                        self._counters[key] = (value - take, expires_at)
-                        refunded += take
-                        record.net[key] -= take
-            if used > record.reserved:
-                start = windows.window_start(now_s, c.window_s)
-                key = window_key(c.key, start)
-                self._incr(key, used - record.reserved, start, c.window_s, now)
-                record.net[key] = record.net.get(key, 0) + used - record.reserved
+                got = o.refund(start, take)
+                if got > 0:
+                    refunded += got
+                    record.net[key] -= got
+            if left < 0:
+                key = o.charge(-left)
+                record.net[key] = record.net.get(key, 0) - left
             refunds.append(refunded)
 
         return Settlement(

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 import secrets
 import socket
 import time
@@ -54,7 +55,6 @@ from extproc.quota.base import (
     SETTLED_TTL_S,
     AdmitRequest,
     Counter,
-    CounterKind,
     CounterState,
     Grant,
     LedgerSettings,
@@ -103,31 +103,43 @@ def new_owner_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def load_lua(name: str) -> str:
+# Tests only: the scripts add the integer in this Redis key to TIME (a Redis-side clock a
+# test can move, e.g. to a month's end). Single node only: the key is not in KEYS.
+TEST_CLOCK_ENV = "EXTPROC_TEST_CLOCK_KEY"
+_SAFE_KEY = re.compile(r"^[A-Za-z0-9:._-]*$")
+
+
+def _read_lua(name: str) -> str:
     return resources.files("extproc.quota").joinpath("lua", name).read_text(encoding="utf-8")
 
 
+def load_lua(name: str) -> str:
+    """A script with the shared counter functions (``lua/counters.lua``) before it."""
+    clock_key = os.environ.get(TEST_CLOCK_ENV, "")
+    if not _SAFE_KEY.match(clock_key):
+        raise ValueError(f"{TEST_CLOCK_ENV} must be a plain key name, got {clock_key!r}")
+    return f"local CLOCK_KEY = '{clock_key}'\n" + _read_lua("counters.lua") + _read_lua(name)
+
+
 def _parse_verdict(verdict: str, now: float, replayed: bool, cancelled: bool) -> Verdict:
-    parts = verdict.split(",") if verdict else ["0", ""]
+    parts = verdict.split(",") if verdict else ["0", "", ""]
     states: list[CounterState] = []
-    for i in range(2, len(parts), 5):
-        kind, limit, window_s, value, start = parts[i : i + 5]
+    for i in range(3, len(parts), 5):
+        kind, limit, value, reset_at, retry_at = parts[i : i + 5]
         states.append(
             windows.counter_state(
-                kind,  # type: ignore[arg-type]  # written by the script from a CounterKind
-                int(limit),
-                int(window_s),
-                int(value),
-                int(start),
-                now,
+                kind, int(limit), int(value), int(reset_at), now, int(retry_at) or None
             )
         )
     if cancelled:
         return Verdict(admitted=False, states=tuple(states), replayed=replayed, cancelled=True)
     admitted = parts[0] == "1"
-    refused_by: CounterKind | None = None if admitted else parts[1]  # type: ignore[assignment]
     return Verdict(
-        admitted=admitted, refused_by=refused_by, states=tuple(states), replayed=replayed
+        admitted=admitted,
+        refused_by=None if admitted else parts[1],
+        states=tuple(states),
+        replayed=replayed,
+        shadow_refused_by=tuple(parts[2].split(";")) if parts[2] else (),
     )
 
 
@@ -330,8 +342,16 @@ class RedisQuotaBackend:
                 tags.prompt_tokens,
             ]
             for c in counters:
-                keys.append(f"{c.key}:{now_s - now_s % c.window_s}")
-                args += (c.kind, c.limit, c.window_s)
+                if c.shape == "fixed":  # inline: the common case, once per counter per call
+                    a = now_s - now_s % c.window_s
+                    keys.append(f"{c.key}:{a}")
+                    args += (c.kind, c.limit, "f", a, a + c.window_s)
+                else:
+                    key, a, b = windows.key_of(c, now_s)
+                    keys.append(key)
+                    args += (c.kind, c.limit, "s" if c.shape == "sliding" else "f", a, b)
+                w = c.weights
+                args += (w[0], w[1], 1 if c.shadow else 0)
             keys.append(open_key)
             reply = await self._call("admit", self._scripts.run_script(self._admit, keys, args))
             replayed, verdict, reply_s, reply_us, cancelled, retry_soon, wrong = reply
@@ -365,8 +385,10 @@ class RedisQuotaBackend:
             keys = [reservation_key]
             args: list[Any] = [seq, amount, minimum]
             for c in token_counters:
-                keys.append(f"{c.key}:{now_s - now_s % c.window_s}")
-                args += (c.limit, c.window_s)
+                key, a, b = windows.key_of(c, now_s)
+                keys.append(key)
+                args += (c.limit, "s" if c.shape == "sliding" else "f", a, b, c.weights[1])
+                args.append(1 if c.shadow else 0)
             keys.append(open_key)
             reply = await self._call("reserve", self._scripts.run_script(self._reserve, keys, args))
             status, granted, reply_s, reply_us = reply[:4]
@@ -381,15 +403,19 @@ class RedisQuotaBackend:
             return Grant(granted=0)
         states = tuple(
             windows.counter_state(
-                c.kind, c.limit, c.window_s, int(reply[4 + 2 * i]), int(reply[5 + 2 * i]), now
+                c.kind, c.limit, int(reply[4 + 2 * i]), int(reply[5 + 2 * i]), now
             )
             for i, c in enumerate(token_counters)
         )
+        shadow = reply[-1]
         return Grant(
             granted=int(granted),
             states=states,
             replayed=status == "replayed",
-            others_open=int(reply[-1]),
+            others_open=int(reply[-2]),
+            shadow_cut_by=tuple(token_counters[int(i) - 1].kind for i in shadow.split(";"))
+            if shadow
+            else (),
         )
 
     async def settle(
@@ -400,12 +426,13 @@ class RedisQuotaBackend:
         *,
         reason: SettleReason = "completed",
         output_tokens: int | None = None,
+        cached_tokens: int = 0,
     ) -> Settlement:
         windows.check_settle(used, token_counters)
         windows.check_reason(reason, output_tokens, used)
         # _run_settle inlined: the hot path's one round trip without another coroutine.
         head = [used, _MODE_SETTLE, RECORD_TTL_S, self.owner_id, reason,
-                -1 if output_tokens is None else output_tokens]  # fmt: skip
+                -1 if output_tokens is None else output_tokens, cached_tokens]  # fmt: skip
         now_s = math.floor(time.time() + self.clock_offset_s)
         keys, args = self._settle_request(reservation_key, token_counters, head, now_s)
         reply = await self._call("settle", self._scripts.run_script(self._settle, keys, args))
@@ -422,8 +449,9 @@ class RedisQuotaBackend:
         keys = [reservation_key]
         args = head.copy()
         for c in token_counters:
-            keys.append(f"{c.key}:{now_s - now_s % c.window_s}")
-            args.append(c.window_s)
+            key, a, b = windows.key_of(c, now_s)
+            keys.append(key)
+            args += ("s" if c.shape == "sliding" else "f", a, b, *c.weights)
         keys += (tenant + ":open", tenant + ":usage")
         return keys, args
 
@@ -457,7 +485,7 @@ class RedisQuotaBackend:
         reason: str,
         owner_id: str | None = None,
     ) -> tuple[Any, str]:
-        head = [used, mode, tombstone_ttl_s, owner_id or self.owner_id, reason, -1]
+        head = [used, mode, tombstone_ttl_s, owner_id or self.owner_id, reason, -1, 0]
         now_s = math.floor(time.time() + self.clock_offset_s)
         keys, args = self._settle_request(reservation_key, token_counters, head, now_s)
         reply = await self._call(operation, self._scripts.run_script(self._settle, keys, args))

@@ -153,6 +153,7 @@ class _Op:
     used: int = 0  # settle
     reason: SettleReason = "completed"  # settle: for the usage ledger
     output_tokens: int | None = None  # settle
+    cached_tokens: int = 0  # settle
     ttl_s: int = RECORD_TTL_S  # cancel: tombstone lifetime
     entries: tuple[tuple[str, int, int, int], ...] = ()  # absorb: (prefix, window, start, n)
     # absorb: the ledger entry's own fields (plan, model, client id, reason, prompt, output,
@@ -394,13 +395,14 @@ class ResilientQuotaBackend:
         *,
         reason: SettleReason = "completed",
         output_tokens: int | None = None,
+        cached_tokens: int = 0,
     ) -> Settlement:
         windows.check_settle(used, token_counters)
         windows.check_reason(reason, output_tokens, used)
         tracked = self._tracked.pop(reservation_key, None)
         if tracked is None or not tracked.local_record:
             return await self._settle_remote(
-                reservation_key, token_counters, used, reason, output_tokens
+                reservation_key, token_counters, used, reason, output_tokens, cached_tokens
             )
         # Redis reserved the oldest part of the request, so it takes the oldest usage.
         used_remote = 0 if tracked.local else min(used, tracked.redis_reserved)
@@ -442,16 +444,23 @@ class ResilientQuotaBackend:
         used: int,
         reason: SettleReason = "completed",
         output_tokens: int | None = None,
+        cached_tokens: int = 0,
     ) -> Settlement:
         try:
             return await self._guarded(
                 lambda: self.primary.settle(
-                    key, token_counters, used, reason=reason, output_tokens=output_tokens
+                    key,
+                    token_counters,
+                    used,
+                    reason=reason,
+                    output_tokens=output_tokens,
+                    cached_tokens=cached_tokens,
                 )
             )
         except QuotaUnavailable as exc:
             op = _Op("settle", key, token_counters, used=used, reason=reason)
             op.output_tokens = output_tokens
+            op.cached_tokens = cached_tokens
             queued = self._enqueue(op)
             if queued:
                 log.info("settle_queued", request_id=key, used=used, error=repr(exc))
@@ -591,7 +600,12 @@ class ResilientQuotaBackend:
         if op.kind == "settle":
             await self._guarded(
                 lambda: self.primary.settle(
-                    op.key, op.counters, op.used, reason=op.reason, output_tokens=op.output_tokens
+                    op.key,
+                    op.counters,
+                    op.used,
+                    reason=op.reason,
+                    output_tokens=op.output_tokens,
+                    cached_tokens=op.cached_tokens,
                 )
             )
         elif op.kind == "cancel":

@@ -1,4 +1,4 @@
-"""Fixed-window arithmetic and argument checks shared by every backend.
+"""Window arithmetic and argument checks shared by every backend.
 
 Both backends must agree to the second on where a window starts and how a state is
 reported, so the rules live here once (the Lua scripts mirror them, and the conformance
@@ -14,6 +14,7 @@ from extproc.quota.base import (
     CounterKind,
     CounterState,
 )
+from extproc.quota.calendar import calendar_bounds
 
 # Counter keys expire this long after their window ends: late refunds are skipped by
 # clock anyway, the margin only absorbs clock skew between Redis replicas.
@@ -25,14 +26,53 @@ def window_start(now_s: int, window_s: int) -> int:
     return now_s - now_s % window_s
 
 
+def bounds(counter: Counter, now_s: int) -> tuple[int, int]:
+    """What the scripts get per counter besides its key: a fixed or calendar window's
+    ``[start, end)`` holding ``now_s``; a sliding counter's (window_s, bucket_s)."""
+    if counter.shape == "fixed":
+        start = now_s - now_s % counter.window_s
+        return start, start + counter.window_s
+    if counter.shape == "sliding":
+        return counter.window_s, counter.bucket_s
+    return calendar_bounds(counter.period, counter.timezone, now_s)
+
+
+def key_of(counter: Counter, now_s: int) -> tuple[str, int, int]:
+    """The key a script touches for ``counter`` at ``now_s``, with its two bounds."""
+    a, b = bounds(counter, now_s)
+    return (counter.key if counter.shape == "sliding" else f"{counter.key}:{a}"), a, b
+
+
+def sliding_retry_at(
+    buckets: dict[int, int], total: int, cost: int, limit: int, window_s: int, bucket_s: int
+) -> int | None:
+    """When a sliding counter holding ``buckets`` (start -> amount, ``total`` in all) has
+    room for ``cost``: the end of the oldest bucket whose leaving makes it fit. None: never
+    (the cost is above the limit)."""
+    if cost > limit:
+        return None
+    released = 0
+    for start in sorted(buckets):
+        released += buckets[start]
+        if total - released + cost <= limit:
+            return start + window_s + bucket_s
+    return None
+
+
 def counter_state(
-    kind: CounterKind, limit: int, window_s: int, value: int, start: int, now: float
+    kind: CounterKind,
+    limit: int,
+    value: int,
+    reset_at: float,
+    now: float,
+    retry_at: float | None = None,
 ) -> CounterState:
     return CounterState(
         kind=kind,
         limit=limit,
         remaining=max(0, limit - value),
-        reset_s=max(0.0, start + window_s - now),
+        reset_s=max(0.0, reset_at - now),
+        retry_s=None if retry_at is None else max(0.0, retry_at - now),
     )
 
 
@@ -40,6 +80,12 @@ def check_counters(counters: tuple[Counter, ...]) -> None:
     for counter in counters:
         if counter.window_s <= 0 or counter.limit < 0:
             raise ValueError(f"counter {counter.key!r} needs window_s > 0 and limit >= 0")
+        if counter.shape == "sliding" and (
+            counter.bucket_s <= 0 or counter.window_s % counter.bucket_s
+        ):
+            raise ValueError(f"sliding counter {counter.key!r} needs window_s % bucket_s == 0")
+        if min(counter.weights) < 0:
+            raise ValueError(f"counter {counter.key!r} needs weights >= 0")
 
 
 def check_admit(request: AdmitRequest) -> None:

@@ -22,7 +22,7 @@ local done = redis.call('HGET', rkey, 'st')
 if done then
   return {1, done}
 end
-local t = redis.call('TIME')
+local t = server_time()
 local now_s = tonumber(t[1])
 local margin = tonumber(ARGV[2])
 local m = #KEYS - 2

@@ -1,22 +1,29 @@
 -- Admission: check and charge, all or none, every counter of one request.
 --
 -- KEYS[1]      reservation record (hash) of the request
--- KEYS[2..n+1] the current window of each counter (prefix:window_start): request counters
---              first, then token counters
+-- KEYS[2..n+1] each counter's key (counters.lua): request counters first, then token
+--              counters
 -- KEYS[n+2]    the tenant's count of admitted, unsettled requests (incremented on admission)
 -- ARGV         n_request, n_token, tokens, count_refused (1|0), record_ttl_s, owner,
 --              soft (1|0), plan, model, client_request_id, prompt_tokens, then kind, limit,
---              window_s for each counter (its window start is the key's last part)
--- Constants    MARGIN (s a window key outlives its window), prepended by the backend
+--              shape (f|s), a, b, input weight, output weight, shadow (1|0) per counter
+-- Constants    MARGIN (s a window key outlives its window), CLOCK_KEY, and counters.lua,
+--              prepended by the backend
 -- Reply        {replayed (0|1), verdict, now_s, now_us, cancelled (0|1), retry_soon (0|1),
 --              wrong_window (0|1)}
---              verdict = "admitted,refused_by{,kind,limit,window_s,value,window_start}"
+--              verdict = "admitted,refused_by,shadow kinds (;-separated)
+--                         {,kind,limit,value,reset_at,retry_at}" (retry_at 0: reset_at)
 --
--- Every key touched is in KEYS. The caller computes each window start from its estimate of
--- this server's clock; windows still come from this server's TIME: when a passed start is
--- not the current one, nothing is charged and the reply says wrong_window=1 with TIME, and
--- the caller retries with the right keys. (The starts are read from the keys, not sent
--- twice: fewer arguments to pack per call.)
+-- A request counter charges 1. A token counter charges prompt × input weight + the rest of
+-- `tokens` (the output reserved) × output weight: a cost counter's weights are prices.
+--
+-- Every key touched is in KEYS. The caller computes each window from its estimate of this
+-- server's clock; windows still come from this server's TIME: when a passed window is not
+-- the current one, nothing is charged and the reply says wrong_window=1 with TIME, and the
+-- caller retries with the right keys.
+--
+-- A shadow counter is charged like the others but refuses nothing: the kinds that would
+-- have refused are in the verdict.
 --
 -- A record marked cancelled ('c', written by settle.lua in cancel mode) makes the admission
 -- charge nothing at all: replayed=1 with the first verdict when the admission had run
@@ -32,7 +39,7 @@
 -- while other requests of the tenant are open (KEYS[n+2] > 0), the admission charges and
 -- records nothing and answers retry_soon=1: their unused leases come back when they settle.
 local rkey = KEYS[1]
-local t = redis.call('TIME')
+local t = server_time()
 local now_s = tonumber(t[1])
 
 local prior = redis.call('HMGET', rkey, 'v', 'c')
@@ -54,59 +61,62 @@ local count_refused = ARGV[4] == '1'
 local record_ttl = tonumber(ARGV[5])
 local owner = ARGV[6]
 local soft = ARGV[7] == '1'
+local prompt = math.min(tonumber(ARGV[11]), tokens)
 local open_key = KEYS[n + 2]
 
-local starts, values, windows = {}, {}, {}
+local cs, costs, limits, kinds, shadows = {}, {}, {}, {}, {}
 for i = 1, n do
-  local window = tonumber(ARGV[11 + i * 3])
-  local start = now_s - (now_s % window)
-  if tonumber(string.match(KEYS[i + 1], '(%d+)$')) ~= start then
+  local base = 4 + i * 8
+  local c = open_counter(KEYS[i + 1], ARGV[base + 2], tonumber(ARGV[base + 3]),
+    tonumber(ARGV[base + 4]), now_s)
+  if not c then
     return {0, '', t[1], t[2], 0, 0, 1}
   end
-  windows[i] = window
-  starts[i] = start
+  cs[i] = c
+  kinds[i] = ARGV[base]
+  limits[i] = tonumber(ARGV[base + 1])
+  shadows[i] = ARGV[base + 7] == '1'
+  if i <= n_req then
+    costs[i] = 1
+  else
+    costs[i] = prompt * tonumber(ARGV[base + 5]) + (tokens - prompt) * tonumber(ARGV[base + 6])
+  end
 end
 
-local refused_by = ''
+local refused_by, refused_at = '', 0
 local refused_fits = false
+local would = {}
 for i = 1, n do
-  local base = 8 + i * 3
-  values[i] = tonumber(redis.call('GET', KEYS[i + 1]) or '0')
-  local cost = tokens
-  if i <= n_req then cost = 1 end
-  if refused_by == '' and values[i] + cost > tonumber(ARGV[base + 2]) then
-    refused_by = ARGV[base + 1]
-    refused_fits = i > n_req and cost <= tonumber(ARGV[base + 2])
+  if read(cs[i]) + costs[i] > limits[i] then
+    if shadows[i] then
+      would[#would + 1] = kinds[i]
+    elseif refused_by == '' then
+      refused_by, refused_at = kinds[i], i
+      refused_fits = i > n_req and costs[i] <= limits[i]
+    end
   end
 end
 local admitted = refused_by == ''
 if soft and refused_fits and tonumber(redis.call('GET', open_key) or '0') > 0 then
   return {0, '', t[1], t[2], 0, 1, 0}
 end
-
-local function charge(i, amount)
-  local v = redis.call('INCRBY', KEYS[i + 1], amount)
-  if v == amount then
-    -- New key (or one refunded to zero): expire shortly after its window ends.
-    redis.call('PEXPIREAT', KEYS[i + 1], (starts[i] + windows[i] + MARGIN) * 1000)
-  end
-  values[i] = v
-end
+if not admitted then would = {} end
 
 if admitted or count_refused then
-  for i = 1, n_req do charge(i, 1) end
+  for i = 1, n_req do charge(cs[i], 1) end
 end
 
 local record = {'v'}
-local parts = {admitted and '1' or '0', refused_by}
+local parts = {admitted and '1' or '0', refused_by, table.concat(would, ';')}
 if admitted then
   local reserved = 0
   if tokens > 0 and n_tok > 0 then
     reserved = tokens
     for i = n_req + 1, n do
-      charge(i, tokens)
-      record[#record + 1] = 'k' .. KEYS[i + 1]
-      record[#record + 1] = tokens
+      if costs[i] > 0 then
+        record[#record + 1] = charge(cs[i], costs[i])
+        record[#record + 1] = int(costs[i])
+      end
     end
   end
   local more = {'res', reserved, 'pl', ARGV[8], 'md', ARGV[9], 'cr', ARGV[10],
@@ -120,12 +130,11 @@ if admitted then
   redis.call('EXPIRE', open_key, record_ttl)
 end
 for i = 1, n do
-  local base = 8 + i * 3
-  parts[#parts + 1] = ARGV[base + 1]
-  parts[#parts + 1] = ARGV[base + 2]
-  parts[#parts + 1] = ARGV[base + 3]
-  parts[#parts + 1] = string.format('%d', values[i])
-  parts[#parts + 1] = string.format('%d', starts[i])
+  parts[#parts + 1] = kinds[i]
+  parts[#parts + 1] = ARGV[4 + i * 8 + 1]
+  parts[#parts + 1] = int(cs[i].value)
+  parts[#parts + 1] = int(reset_at(cs[i]))
+  parts[#parts + 1] = int(i == refused_at and retry_at(cs[i], costs[i], limits[i]) or 0)
 end
 local verdict = table.concat(parts, ',')
 table.insert(record, 2, verdict)

@@ -1,25 +1,29 @@
 -- Lease batch: add tokens to an admitted, unsettled reservation, once per seq.
 --
 -- KEYS[1]      reservation record (hash)
--- KEYS[2..n+1] the current window of each token counter (prefix:window_start)
+-- KEYS[2..n+1] each token counter's key (counters.lua)
 -- KEYS[n+2]    the tenant's count of admitted, unsettled requests
--- ARGV         seq, amount, minimum, then limit, window_s for each counter (its window
---              start is the key's last part)
--- Constants    MARGIN, prepended by the backend
--- Reply        {status, granted, now_s, now_us, value_1, window_start_1, ..., others_open}
+-- ARGV         seq, amount, minimum, then limit, shape (f|s), a, b, output weight,
+--              shadow (1|0) per counter
+-- Constants    MARGIN, CLOCK_KEY and counters.lua, prepended by the backend
+-- Reply        {status, granted, now_s, now_us, value_1, reset_at_1, ..., others_open,
+--              shadow counters that had less room than the grant (1-based, ;-separated)}
 --              status: granted | refused | replayed | not_admitted | settled | wrong_window
 --              others_open: the tenant's other open requests (their unused leases come
 --              back when they settle, so a refusal while they hold some may not be final)
 --
--- wrong_window: a passed window start is not this server's current one (TIME decides);
--- nothing is charged and the caller retries with the right keys.
+-- wrong_window: a passed window is not this server's current one (TIME decides); nothing
+-- is charged and the caller retries with the right keys.
 --
--- The grant is min(amount, smallest room left over the counters), or 0 when that is below
--- minimum: handing out what is left lets concurrent streams use up a budget instead of
--- each being refused a full batch near the end. A refusal charges and records nothing,
--- so the same seq may be tried again later.
+-- The grant is min(amount, the tokens the smallest room left over the counters pays for),
+-- or 0 when that is below minimum: handing out what is left lets concurrent streams use up
+-- a budget instead of each being refused a full batch near the end. A counter charges
+-- grant × its output weight (a cost counter: the output price); one of weight 0 (input
+-- tokens only) is not limited by a lease. A shadow counter limits nothing: it is charged
+-- the grant, and named when it had less room. A refusal charges and records nothing, so
+-- the same seq may be tried again later.
 local rkey = KEYS[1]
-local t = redis.call('TIME')
+local t = server_time()
 local now_s = tonumber(t[1])
 
 local verdict = redis.call('HGET', rkey, 'v')
@@ -35,34 +39,39 @@ local amount = tonumber(ARGV[2])
 local minimum = tonumber(ARGV[3])
 local n = #KEYS - 2
 
-local starts, values, windows = {}, {}, {}
+local cs, weights, shadows, rooms = {}, {}, {}, {}
 for i = 1, n do
-  local window = tonumber(ARGV[3 + 2 * i])
-  local start = now_s - (now_s % window)
-  if tonumber(string.match(KEYS[i + 1], '(%d+)$')) ~= start then
+  local base = 4 + (i - 1) * 6
+  local c = open_counter(KEYS[i + 1], ARGV[base + 1], tonumber(ARGV[base + 2]),
+    tonumber(ARGV[base + 3]), now_s)
+  if not c then
     return {'wrong_window', 0, t[1], t[2]}
   end
-  windows[i] = window
-  starts[i] = start
+  cs[i] = c
+  weights[i] = tonumber(ARGV[base + 4])
+  shadows[i] = ARGV[base + 5] == '1'
 end
 local granted = amount
 for i = 1, n do
-  local limit = tonumber(ARGV[2 + 2 * i])
-  values[i] = tonumber(redis.call('GET', KEYS[i + 1]) or '0')
-  if limit - values[i] < granted then granted = limit - values[i] end
+  local room = tonumber(ARGV[4 + (i - 1) * 6]) - read(cs[i])
+  if weights[i] > 0 then
+    rooms[i] = math.floor(math.max(room, 0) / weights[i])
+    if not shadows[i] and rooms[i] < granted then granted = rooms[i] end
+  end
 end
 
-local function reply(status, amount_out)
+local function reply(status, amount_out, would)
   local out = {status, amount_out, t[1], t[2]}
   for i = 1, n do
-    out[#out + 1] = values[i]
-    out[#out + 1] = starts[i]
+    out[#out + 1] = int(cs[i].value)
+    out[#out + 1] = int(reset_at(cs[i]))
   end
   local others = 0
   if status == 'refused' then
     others = math.max(0, tonumber(redis.call('GET', KEYS[n + 2]) or '0') - 1)
   end
   out[#out + 1] = others
+  out[#out + 1] = would or ''
   return out
 end
 
@@ -74,15 +83,14 @@ if granted < minimum or granted <= 0 then
   return reply('refused', 0)
 end
 
+local would = {}
 for i = 1, n do
-  local key = KEYS[i + 1]
-  local v = redis.call('INCRBY', key, granted)
-  if v == granted then
-    redis.call('PEXPIREAT', key, (starts[i] + windows[i] + MARGIN) * 1000)
+  if weights[i] > 0 then
+    if shadows[i] and rooms[i] < granted then would[#would + 1] = i end
+    local field = charge(cs[i], granted * weights[i])
+    redis.call('HINCRBY', rkey, field, int(granted * weights[i]))
   end
-  values[i] = v
-  redis.call('HINCRBY', rkey, 'k' .. key, granted)
 end
 redis.call('HINCRBY', rkey, 'res', granted)
 redis.call('HSET', rkey, seq_field, granted)
-return reply('granted', granted)
+return reply('granted', granted, table.concat(would, ';'))

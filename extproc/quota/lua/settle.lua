@@ -2,24 +2,27 @@
 -- append its usage ledger entry in the same step.
 --
 -- KEYS[1]      reservation record (hash)
--- KEYS[2..n+1] the current window (prefix:window_start) of each token counter charged
+-- KEYS[2..n+1] each token counter's key (counters.lua)
 -- KEYS[n+2]    the tenant's count of admitted, unsettled requests (decremented here)
 -- KEYS[n+3]    the tenant's usage ledger (a Stream)
 -- ARGV         used, mode (0 settle | 1 cancel | 2 orphan), tombstone_ttl_s, owner,
---              reason, output_tokens (-1: not given), then window_s for each counter (its
---              window start is the key's last part)
--- Constants    MARGIN, SETTLED_TTL (s), LEDGER (true|false), MAX_LEN (0: none),
---              RETENTION_MS (0: none): the backend's settings, prepended by it (fewer
---              arguments to pack per call)
+--              reason, output_tokens (-1: not given), cached_tokens, then shape (f|s), a,
+--              b, input, output and cached input weights per counter
+-- Constants    MARGIN, CLOCK_KEY, SETTLED_TTL (s), LEDGER (true|false), MAX_LEN (0: none),
+--              RETENTION_MS (0: none): the backend's settings, and counters.lua, prepended
+--              by it (fewer arguments to pack per call)
 -- Reply        {status, summary[, now_s, now_us]}: status 0 settled now, 1 already settled
 --              (first summary), 2 no admitted record (orphan mode only), 3 another owner's
 --              (orphan mode only), 4 wrong window (nothing done; TIME follows)
 --              summary = "reserved,used,refunded_1,...,refunded_n" (one per counter)
 --
--- Only the current window of a counter is live (fixed windows), so a refund and any use
--- above the reservation touch that one key alone; the older windows the record names are
--- strings in the hash, never keys accessed. A window that has ended keeps its share of the
--- refund (that rate window is over).
+-- Per counter, what the request used is weighed like its charges (prompt less cached input
+-- × input weight + cached × cached weight + output × output weight), and the difference
+-- from what the record holds on that counter is refunded, newest window or bucket first,
+-- or charged to the current one when it used more. Only the current window of a fixed or
+-- calendar counter is live, so a refund touches that one key alone (the older windows the
+-- record names are strings in the hash, never keys accessed); a sliding counter refunds
+-- the buckets still inside its window. What has left its window keeps its share.
 --
 -- Cancel mode (used = 0) also marks the record cancelled ('c'), so a replayed or late
 -- admission charges nothing; without any record it writes a tombstone (settled and
@@ -39,7 +42,7 @@
 -- being what that window keeps of this request: summed over the ledger, a window's net is
 -- the counter's value.
 local rkey = KEYS[1]
-local t = redis.call('TIME')
+local t = server_time()
 local now_s = tonumber(t[1])
 local used = tonumber(ARGV[1])
 local mode = ARGV[2]
@@ -68,7 +71,7 @@ if orphan then
 end
 local parts = {}
 if not rec['v'] or string.sub(rec['v'], 1, 1) ~= '1' then
-  parts = {'0', string.format('%d', used)}
+  parts = {'0', int(used)}
   for _ = 1, n do parts[#parts + 1] = '0' end
   local summary = table.concat(parts, ',')
   if cancel then
@@ -80,57 +83,55 @@ if not rec['v'] or string.sub(rec['v'], 1, 1) ~= '1' then
   return {0, summary}
 end
 
-local starts = {}
+local cs = {}
 for i = 1, n do
-  local window = tonumber(ARGV[6 + i])
-  local start = now_s - (now_s % window)
-  if tonumber(string.match(KEYS[i + 1], '(%d+)$')) ~= start then
+  local base = 8 + (i - 1) * 6
+  cs[i] = open_counter(KEYS[i + 1], ARGV[base], tonumber(ARGV[base + 1]),
+    tonumber(ARGV[base + 2]), now_s)
+  if not cs[i] then
     return {4, '', t[1], t[2]}
   end
-  starts[i] = start
 end
+
+-- prompt + output = used: the caller's split, else admission's prompt count first.
+local output = tonumber(ARGV[6])
+if output < 0 then
+  output = used - math.min(tonumber(rec['pt'] or '0'), used)
+end
+local prompt = used - output
+local cached = math.min(tonumber(ARGV[7]), prompt)
 
 local reserved = tonumber(rec['res'] or '0')
 local net = {}  -- field of a charged window -> what it keeps of this request
-parts = {string.format('%d', reserved), string.format('%d', used)}
+parts = {int(reserved), int(used)}
 for i = 1, n do
-  local key = KEYS[i + 1]
-  local current_field = 'k' .. key
-  local head = string.sub(current_field, 1, #current_field - #tostring(starts[i]))
-  local charged = {}
-  for field, amount in pairs(rec) do
-    if string.sub(field, 1, #head) == head and string.match(string.sub(field, #head + 1), '^%d+$') then
-      charged[#charged + 1] = {tonumber(string.sub(field, #head + 1)), tonumber(amount), field}
-    end
-  end
-  table.sort(charged, function(a, b) return a[1] > b[1] end)
-
-  local left = reserved - used
+  local c = cs[i]
+  local base = 8 + (i - 1) * 6
+  read(c)
+  local used_c = (prompt - cached) * tonumber(ARGV[base + 3]) + output * tonumber(ARGV[base + 4])
+    + cached * tonumber(ARGV[base + 5])
+  local list = charged(c, rec)
+  local held = 0
+  for _, w in ipairs(list) do held = held + w[2] end
+  local left = held - used_c
   local refunded = 0
-  for _, w in ipairs(charged) do
+  for _, w in ipairs(list) do
     if left <= 0 then break end
     local take = math.min(left, w[2])
     left = left - take
-    if w[1] == starts[i] then
-      take = math.min(take, tonumber(redis.call('GET', key) or '0'))
-      if take > 0 then
-        redis.call('DECRBY', key, take)
-        refunded = refunded + take
-        net[w[3]] = w[2] - take
-      end
+    local got = refund(c, w[1], take)
+    if got > 0 then
+      refunded = refunded + got
+      net[w[3]] = w[2] - got
     end
   end
-
-  if used > reserved then
-    local over = used - reserved
-    local v = redis.call('INCRBY', key, over)
-    if v == over then
-      redis.call('PEXPIREAT', key, (starts[i] + tonumber(ARGV[6 + i]) + MARGIN) * 1000)
-    end
-    net[current_field] = (net[current_field] or tonumber(rec[current_field] or '0')) + over
-    rec[current_field] = rec[current_field] or '0'
+  if used_c > held then
+    local over = used_c - held
+    local field = charge(c, over)
+    net[field] = (net[field] or tonumber(rec[field] or '0')) + over
+    rec[field] = rec[field] or '0'
   end
-  parts[#parts + 1] = string.format('%d', refunded)
+  parts[#parts + 1] = int(refunded)
 end
 
 local summary = table.concat(parts, ',')
@@ -155,10 +156,10 @@ if LEDGER then
   local rank = {tpm = 1, tenant_tpm = 2, daily = 3}
   local entries = {}
   for field, amount in pairs(rec) do
-    local kind, window, start = string.match(field, '^k.*:c:([%w_]+):[^:]*:(%d+):(%d+)$')
+    local kind, window, start = string.match(field, '^k.*:c:([%w_]+):[^:]*:([^:]+):(%d+)$')
     if kind then
       entries[#entries + 1] = {rank[kind] or 9, tonumber(start), string.format(
-        '%s:%s:%s:%d', kind, window, start, net[field] or tonumber(amount))}
+        '%s:%s:%s:%s', kind, window, start, int(net[field] or tonumber(amount)))}
     end
   end
   table.sort(entries, function(a, b)
@@ -167,12 +168,6 @@ if LEDGER then
   end)
   local windows = {}
   for i, e in ipairs(entries) do windows[i] = e[3] end
-  -- prompt + output = used: the caller's split, else admission's prompt count first.
-  local output = tonumber(ARGV[6])
-  if output < 0 then
-    output = used - math.min(tonumber(rec['pt'] or '0'), used)
-  end
-  local prompt = used - output
   local reason = ARGV[5]
   if cancel then reason = 'cancelled' elseif orphan then reason = 'orphaned' end
   local function decode(s)
