@@ -25,6 +25,7 @@ from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
 from tests.gateway.conftest import tenant_key, write_processor_config
 from tests.support.gateway import Gateway, start_gateway, wait_until
+from tests.support.quota_views import counter_total, ledger, ledger_net
 from tests.support.redis_server import RedisServer
 from tests.support.simulator import Simulator
 from tests.support.sse_client import StreamResult, stream_http1
@@ -54,13 +55,15 @@ ITPM, OTPM = 60, 40
 
 
 def window_plan(window: str, **limits: int) -> dict[str, Any]:
-    return {
+    plan: dict[str, Any] = {
         "window": window,
         "window_s": WINDOW_S,
-        "bucket_s": 1,
         "limits": {"*": limits},
         "charge_mode": "reserve_max",
     }
+    if window == "sliding":
+        plan["bucket_s"] = 1
+    return plan
 
 
 def stream_plan(**extra: Any) -> dict[str, Any]:
@@ -94,6 +97,9 @@ def gateway(
         redis_url=redis_server.url,
         models=MODELS,
         refund_wait_ms=0,
+        # A refused attempt charges nothing: a client retrying into a sliding window
+        # would otherwise keep it full for ever (as it would a fixed one until it ends).
+        rpm_counts="admitted",
     )
     gw = start_gateway(config, workdir, [s.port for s in simulators])
     yield gw
@@ -260,8 +266,10 @@ def test_cost_budget_cuts_the_stream_at_the_exact_nano_unit(
     assert BUDGET_NANO - spent < OUT_NANO  # not one more token would have fit
     assert wait_until(lambda: counter_total(redis_client, "cost", "cost") == spent)
     (entry,) = ledger(redis_client, "cost")
+    assert int(entry["prompt_tokens"]) == prompt
     assert int(entry["output_tokens"]) == expected
-    assert int(entry["cost"]) == spent
+    assert entry["reason"] == "cutoff"
+    assert ledger_net([entry], "cost") == spent
 
 
 # --- shadow -----------------------------------------------------------------------------
@@ -311,7 +319,7 @@ def test_prompt_over_itpm_is_refused_with_its_own_code(
         sdk(gateway, "itpm").chat.completions.create(
             model="gpt-4.1", messages=messages, max_tokens=4
         )
-    assert info.value.code == "itpm_limit_exceeded"
+    assert info.value.code == "input_tpm_limit_exceeded"
     assert counter_total(redis_client, "itpm", "itpm") == 0  # all or none
 
 
@@ -328,25 +336,7 @@ def test_output_is_cut_at_otpm(gateway: Gateway, redis_client: redis.Redis) -> N
         stream_http1(gateway.base_url + "/v1/chat/completions", tenant_key("otpm"), request)
     )
     assert result.status == 200 and result.clean_end and result.done
-    assert result.error is not None and result.error["code"] == "otpm_limit_exceeded"
+    assert result.error is not None and result.error["code"] == "output_tpm_limit_exceeded"
     assert result.output_tokens() == OTPM
     assert wait_until(lambda: counter_total(redis_client, "otpm", "otpm") == OTPM)
     assert counter_total(redis_client, "otpm", "itpm") == prompt_tokens(request)
-
-
-# --- Redis views ------------------------------------------------------------------------
-
-
-def counter_total(client: redis.Redis, tenant: str, kind: str) -> int:
-    """Sum over every stored window (or bucket) of one kind of counter of a tenant."""
-    total = 0
-    for key in client.scan_iter(match=f"tq:{{{tenant}}}:c:{kind}:*"):
-        if client.type(key) == "hash":
-            total += sum(int(v) for v in client.hvals(key))
-        else:
-            total += int(client.get(key) or 0)
-    return total
-
-
-def ledger(client: redis.Redis, tenant: str) -> list[dict[str, str]]:
-    return [fields for _, fields in client.xrange(f"tq:{{{tenant}}}:usage")]
