@@ -156,6 +156,8 @@ class QuotaTimeout(QuotaUnavailable):
 
 WindowKind = Literal["fixed", "sliding", "calendar"]
 Period = Literal["day", "week", "month"]
+
+
 @dataclass(frozen=True, slots=True)
 class WindowSpec:
     """Where a limit's window starts and ends.

@@ -347,8 +347,8 @@ class RedisQuotaBackend:
                     keys.append(f"{c.key}:{a}")
                     args += (c.kind, c.limit, "f", a, a + c.window_s)
                 else:
-                    key, a, b = windows.key_of(c, now_s)
-                    keys.append(key)
+                    counter_key, a, b = windows.key_of(c, now_s)
+                    keys.append(counter_key)
                     args += (c.kind, c.limit, "s" if c.shape == "sliding" else "f", a, b)
                 w = c.weights
                 args += (w[0], w[1], 1 if c.shadow else 0)

@@ -85,7 +85,7 @@ def test_prefix_is_configurable_but_may_not_hijack_the_hash_tag() -> None:
     [
         (lambda: counter_key("", "tpm", "m", 60), "tenant"),
         (lambda: counter_key("t", "tpm", "", 60), "model"),
-        (lambda: counter_key("t", "rph", "m", 60), "kind"),  # type: ignore[arg-type]
+        (lambda: counter_key("t", "TPM:x", "m", 60), "kind"),
         (lambda: counter_key("t", "tpm", "m", 0), "window_s"),
         (lambda: reservation_key("t", ""), "request id"),
     ],
