@@ -32,13 +32,7 @@ def window_bounds(window: WindowSpec, now_s: int) -> tuple[int, int]:
     if kind == "calendar":
         if window.period is None:
             raise ValueError("a calendar window needs a period (day, week or month)")
-        key = (window.period, window.timezone)
-        bounds = _cache.get(key)
-        if bounds is not None and bounds[0] <= now_s < bounds[1]:
-            return bounds
-        bounds = calendar_bounds(window.period, window.timezone, now_s)
-        _cache[key] = bounds
-        return bounds
+        return calendar_bounds(window.period, window.timezone, now_s)
     if kind == "sliding":
         raise ValueError("a sliding window has no bounds: it is counted in buckets")
     raise ValueError(f"unknown window kind {kind!r}")
@@ -51,6 +45,18 @@ def reset_after_s(window: WindowSpec, now: float) -> float:
 
 
 def calendar_bounds(period: Period, timezone: str, now_s: int) -> tuple[int, int]:
+    """[start, end) of the ``period`` in ``timezone`` holding ``now_s``: the cached bounds
+    while they hold it (one look-up, two comparisons), else computed and cached."""
+    key = (period, timezone)
+    bounds = _cache.get(key)
+    if bounds is not None and bounds[0] <= now_s < bounds[1]:
+        return bounds
+    bounds = compute_calendar_bounds(period, timezone, now_s)
+    _cache[key] = bounds
+    return bounds
+
+
+def compute_calendar_bounds(period: Period, timezone: str, now_s: int) -> tuple[int, int]:
     """Uncached bounds of the ``period`` in ``timezone`` holding ``now_s``."""
     if period not in ("day", "week", "month"):
         raise ValueError(f"unknown calendar period {period!r}; expected day, week or month")

@@ -16,7 +16,13 @@ from hypothesis import strategies as st
 
 from extproc.config.schema import WindowSpec
 from extproc.quota import calendar
-from extproc.quota.calendar import calendar_bounds, day_start, reset_after_s, window_bounds
+from extproc.quota.calendar import (
+    calendar_bounds,
+    compute_calendar_bounds,
+    day_start,
+    reset_after_s,
+    window_bounds,
+)
 
 
 def utc(*args: int) -> int:
@@ -55,7 +61,7 @@ def test_calendar_window_without_period_is_a_clear_error() -> None:
 
 def test_unknown_period_and_zone_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="period"):
-        calendar_bounds("year", "UTC", 100)  # type: ignore[arg-type]
+        compute_calendar_bounds("year", "UTC", 100)  # type: ignore[arg-type]
     with pytest.raises(Exception, match="Nowhere/Land"):
         window_bounds(cal("day", "Nowhere/Land"), 100)
 
@@ -299,6 +305,8 @@ def test_cache_reuses_bounds_while_they_hold_and_moves_on_after() -> None:
     spec = cal("day", "Europe/Berlin")
     first = window_bounds(spec, utc(2026, 3, 29, 12))
     assert window_bounds(spec, utc(2026, 3, 29, 13)) is first
+    # the backends' entry point shares the cache
+    assert calendar_bounds("day", "Europe/Berlin", utc(2026, 3, 29, 14)) is first
     following = window_bounds(spec, first[1])
     assert following == (first[1], utc(2026, 3, 30, 22))
     # going back in time (a test clock) is served right too
@@ -322,7 +330,7 @@ def test_cached_call_is_cheap() -> None:
     cached = time.perf_counter() - t0
     t0 = time.perf_counter()
     for i in range(n // 20):
-        calendar_bounds("month", "Europe/Berlin", now + i)
+        compute_calendar_bounds("month", "Europe/Berlin", now + i)
     uncached = (time.perf_counter() - t0) * 20
     assert cached < uncached
 
@@ -375,7 +383,7 @@ def test_start_is_the_first_instant_of_the_right_local_day(
 ) -> None:
     tz, now = zoned
     zone = ZoneInfo(tz)
-    start, _ = calendar_bounds(period, tz, now)  # type: ignore[arg-type]
+    start, _ = compute_calendar_bounds(period, tz, now)  # type: ignore[arg-type]
     first = first_local_day(period, dt.datetime.fromtimestamp(now, zone).date())
     shown = dt.datetime.fromtimestamp(start, zone)
     assert shown.date() == first
