@@ -697,6 +697,20 @@ def _redact(url: str) -> str:
     return re.sub(r"(sentinel_password=)[^&]*", r"\1***", url)
 
 
+def source_files(path: str | Path) -> list[Path]:
+    """The config file and the ``ratelimit_file`` it names, if any (for the reload poll);
+    a file that cannot be read or parsed is only itself: loading it reports why."""
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return [path]
+    named = doc.get("ratelimit_file") if isinstance(doc, dict) else None
+    if not isinstance(named, str) or not named:
+        return [path]
+    return [path, path.parent / named]  # an absolute name stays absolute
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
     """Load and validate a YAML file; ``overrides`` replace top-level fields (CLI flags)."""
     try:

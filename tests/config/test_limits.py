@@ -343,3 +343,22 @@ def test_hash_changes_with_a_window_kind_a_time_zone_a_price_and_shadow() -> Non
         mutate(doc)
         hashes.add(parse_config(doc).hash)
     assert len(hashes) == 5
+
+
+def test_the_reload_poll_sees_an_edit_of_the_ratelimit_file(tmp_path: Path) -> None:
+    from extproc.config.reload import _content_digest
+
+    rls = tmp_path / "rls" / "limits.yaml"
+    rls.parent.mkdir()
+    rls.write_bytes(SEED.read_bytes())
+    path = tmp_path / "quota.yaml"
+    doc = {**plans_equivalent_of_the_seed(), "plans": {}, "ratelimit_file": "rls/limits.yaml"}
+    path.write_text(yaml.safe_dump(doc))
+    before = _content_digest(path)
+    assert before is not None and load_config(path).plans["standard"].limits["*"].rules
+    rls.write_text(SEED.read_text().replace("requests_per_unit: 60}", "requests_per_unit: 61}"))
+    after = _content_digest(path)
+    assert after != before
+    assert load_config(path).plans["standard"].limits["*"].rules[0].limit == 61
+    rls.unlink()
+    assert _content_digest(path) not in (None, before, after)  # gone: a change, reported
