@@ -362,3 +362,38 @@ def test_the_reload_poll_sees_an_edit_of_the_ratelimit_file(tmp_path: Path) -> N
     assert load_config(path).plans["standard"].limits["*"].rules[0].limit == 61
     rls.unlink()
     assert _content_digest(path) not in (None, before, after)  # gone: a change, reported
+
+
+def test_a_tenant_subtree_layers_over_its_yaml_plan_per_metric() -> None:
+    doc = {
+        "models": {"gpt-4.1": {}},
+        "plans": {"free": {"window": "sliding", "limits": {"*": {"rpm": 20, "tpm": 4000}}}},
+        "tenants": {
+            "acme": {"plan": "free", "key_sha256": key(1)},
+            "globex": {"plan": "free", "key_sha256": key(2)},
+        },
+        "ratelimit": {
+            "domain": "d",
+            "descriptors": [
+                {
+                    "key": "tenant",
+                    "value": "acme",
+                    "descriptors": [
+                        {
+                            "key": "metric",
+                            "value": "tpm",
+                            "rate_limit": {"unit": "hour", "requests_per_unit": 90_000},
+                        }
+                    ],
+                }
+            ],
+        },
+    }
+    config = parse_config(doc)
+    sliding = WindowSpec("sliding", 60, 1)
+    assert config.tenants["acme"].plan.limits["*"].rules == (
+        LimitRule("requests", 20, sliding),  # the plan's, in the plan's window
+        LimitRule("tokens", 90_000, WindowSpec("fixed", 3600)),  # the tenant's, in place
+    )
+    assert config.tenants["acme"].plan.name == "free"
+    assert config.tenants["globex"].plan is config.plans["free"]
