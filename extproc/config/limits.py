@@ -78,17 +78,23 @@ class PlanWindow:
 
 
 def layer_over(base: Mapping[str, Entry], layers: Mapping[str, Layer]) -> dict[str, Entry]:
-    """``base`` with each model key's layer applied: a key with no entry of its own in
-    ``base`` inherits the ``"*"`` entry (what applied to that model until now)."""
-    out = dict(base)
-    for key, top in layers.items():
-        inherited = base.get(key) or base.get("*") or Entry()
-        kept = tuple(
-            s
-            for s in inherited.rules
-            if s.rule.metric not in top.metrics and s.rule.name not in top.replaces
-        )
-        out[key] = Entry(rules=kept + top.rules, batch_tokens=inherited.batch_tokens)
+    """``base`` (a less specific scope's limits) with a more specific scope's ``layers``.
+
+    The more specific scope wins first, then the more specific model: for each model key,
+    start from what applied to it in ``base`` (its own entry, else ``"*"``'s), apply the
+    scope's ``"*"`` layer, then the scope's layer for that model."""
+    out: dict[str, Entry] = {}
+    for key in sorted({*base, *layers}):
+        entry = base.get(key) or base.get("*") or Entry()
+        for top in (layers.get("*"), layers.get(key) if key != "*" else None):
+            if top is not None:
+                kept = tuple(
+                    s
+                    for s in entry.rules
+                    if s.rule.metric not in top.metrics and s.rule.name not in top.replaces
+                )
+                entry = Entry(rules=kept + top.rules, batch_tokens=entry.batch_tokens)
+        out[key] = entry
     return out
 
 
@@ -285,7 +291,7 @@ def rule_order(r: LimitRule) -> tuple[Any, ...]:
     w = r.window
     return (
         METRICS.index(r.metric),
-        w.kind,
+        ("fixed", "sliding", "calendar").index(w.kind),
         w.seconds,
         w.bucket_s,
         PERIODS.index(w.period) if w.period else -1,

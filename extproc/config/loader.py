@@ -280,15 +280,15 @@ def _plan(
     for i, (doc, path) in enumerate(layers.layers):
         _known(doc, _PLAN_KEYS if i == 0 else _OVERRIDE_KEYS, path)
     window = _window(layers)
-    entries = {model: _entry(doc, path, window) for model, (doc, path) in layers.limits().items()}
-    base_path = layers.layers[0][1]
-    if rls_limits is not None:
-        entries = {**rls_limits, **entries}  # the caller refused limits in both places
-    elif not entries and not layers.has("limits"):
-        raise ConfigError(f"{base_path}.limits", "is required (use '*' for every model)")
-    for model, (_, path) in layers.limits().items():
+    own = layers.limits()
+    for model, (_, path) in own.items():
         if model != "*" and model not in models:
             raise ConfigError(path, "is not a configured model")
+    entries = {model: _entry(doc, path, window) for model, (doc, path) in own.items()}
+    if rls_limits is not None:
+        entries = {**rls_limits, **entries}  # the caller refused limits in both places
+    elif not layers.has("limits"):
+        raise ConfigError(f"{layers.layers[0][1]}.limits", "is required (use '*' for every model)")
     if rls_tenant is not None:
         entries = limits.layer_over(entries, rls_tenant)
     tenant_rules = _tenant_rules(layers, window)
@@ -297,10 +297,7 @@ def _plan(
         entries = {m: Entry(limits.shadowed(e.rules), e.batch_tokens) for m, e in entries.items()}
         tenant_rules = list(limits.shadowed(tenant_rules))
     _check_rules(entries, tenant_rules, models)
-
-    def pick(key: str, default: Any) -> tuple[Any, str]:
-        return layers.get(key, default)
-
+    pick = layers.get
     return PlanSpec(
         name=name,
         limits={
@@ -695,6 +692,20 @@ def _redact(url: str) -> str:
     """Drop the password from a Redis URL so the normalised form can be printed and logged."""
     url = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
     return re.sub(r"(sentinel_password=)[^&]*", r"\1***", url)
+
+
+def source_files(path: str | Path) -> list[Path]:
+    """The config file and the ``ratelimit_file`` it names, if any (for the reload poll);
+    a file that cannot be read or parsed is only itself: loading it reports why."""
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return [path]
+    named = doc.get("ratelimit_file") if isinstance(doc, dict) else None
+    if not isinstance(named, str) or not named:
+        return [path]
+    return [path, path.parent / named]  # an absolute name stays absolute
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from extproc.config.loader import load_config
+from extproc.config.loader import load_config, source_files
 from extproc.config.schema import Config, ConfigError
 
 if TYPE_CHECKING:
@@ -72,10 +72,18 @@ def _same(old: Config, new: Config) -> bool:
 
 
 def _content_digest(path: Path) -> str | None:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return None
+    """The content of the file and of the RLS file it names (``ratelimit_file``): an edit
+    of either is a change."""
+    digest = hashlib.sha256()
+    for source in source_files(path):
+        try:
+            content = source.read_bytes()
+        except OSError:
+            if source == path:
+                return None
+            content = b"\0unreadable"
+        digest.update(hashlib.sha256(content).digest())
+    return digest.hexdigest()
 
 
 class ConfigReloader:

@@ -11,7 +11,7 @@ import orjson
 import pytest
 import yaml
 
-from extproc.config import ConfigError, parse_config
+from extproc.config import ConfigError, LimitRule, WindowSpec, parse_config
 from stack.envoy import EnvoyPorts, render_bootstrap, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +34,13 @@ def test_tenant_overrides_are_merged_over_the_plan() -> None:
     doc["tenants"]["acme"]["overrides"] = {"limits": {"gpt-4.1": {"rpm": 7}}, "batch_tokens": 128}
     config = parse_config(doc)
     plan = config.tenants["acme"].plan
-    assert plan.limits["gpt-4.1"].rpm == 7
-    assert plan.limits["*"].rpm == 20  # inherited from the plan
+    minute = WindowSpec(kind="fixed", seconds=60)
+    assert plan.limits["gpt-4.1"].rules == (LimitRule("requests", 7, minute),)
+    assert plan.limits["*"].rules == (  # inherited from the plan
+        LimitRule("requests", 20, minute),
+        LimitRule("tokens", 4000, minute),
+    )
+    assert plan.name == "free"
     assert plan.batch_tokens == 128
     assert config.plans["free"].batch_tokens == 32  # the plan itself is untouched
 
