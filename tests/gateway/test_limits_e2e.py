@@ -299,12 +299,23 @@ def test_shadow_plan_over_its_limits_is_served_in_full_counted_and_reported(
     assert result.output_tokens() == 300 == result.usage["completion_tokens"]
     assert wait_until(lambda: counter_total(redis_client, "shadow", "rpm") == 4)
     assert counter_total(redis_client, "shadow", "tpm") > 150
+    # Requests 3 and 4 are over rpm 2; the stream's leases past 150 tokens over tpm.
     processor = gateway.processors[0]
     metrics = processor.metrics()
-    assert metrics.get('extproc_shadow_violations_total{action="refuse"}', 0) >= 1
-    assert metrics.get('extproc_shadow_violations_total{action="cut"}', 0) >= 1
-    logged = [r for r in processor.log_records() if "shadow" in str(r.get("event"))]
-    assert logged
+
+    def violations(kind: str, action: str) -> float:
+        labels = f'action="{action}",kind="{kind}",model="gpt-4.1",plan="shadow"'
+        return metrics.get(f"extproc_shadow_violations_total{{{labels}}}", 0)
+
+    assert violations("rpm", "refuse") == 2
+    cuts = violations("tpm", "cut")
+    assert cuts >= 1
+    assert violations("tpm", "refuse") == 0
+    records = processor.log_records()
+    refusals = [r for r in records if r.get("event") == "shadow_limit_would_refuse"]
+    assert [(r["tenant"], r["kind"]) for r in refusals] == [("shadow", "rpm")] * 2
+    logged_cuts = [r for r in records if r.get("event") == "shadow_limit_would_cut"]
+    assert len(logged_cuts) == cuts and {r["kind"] for r in logged_cuts} == {"tpm"}
 
 
 # --- ITPM / OTPM ------------------------------------------------------------------------
