@@ -315,8 +315,10 @@ def _refusal(
     if counter is not None and counter in policy.token_counters:
         need = prompt * counter.weights[0] + output * counter.weights[1]
     if state is not None and need > state.limit:
+        needs = _amount(counter, need)
+        needs = f"a spend of {needs}" if what.startswith("spend") else f"{needs} tokens"
         message = (
-            f"Request too large: it needs {_amount(counter, need)} "
+            f"Request too large: it needs {needs} "
             f"but the limit is {_amount(counter, state.limit)} {what}."
         )
     elif state is not None:

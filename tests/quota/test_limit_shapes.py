@@ -368,3 +368,23 @@ async def test_the_ledger_nets_of_sliding_and_calendar_counters_equal_what_they_
     probe = await clocked.backend.admit(admit(0, tpm, budget))
     held = {s.kind: s.limit - s.remaining for s in probe.states}
     assert nets == held
+
+
+async def test_a_long_sliding_window_forgets_exactly_what_left_it_after_idle_spells(
+    clocked: Clocked,
+) -> None:
+    """An hour in 1 s buckets: a counter idle for most of it drops what left (the script
+    then walks the few fields present, not the thousands of buckets), and one idle for
+    longer than the window starts from zero."""
+    tph = sliding("tpm", 1000, window_s=3600)
+    await clocked.room_in_second()
+    assert (await clocked.backend.admit(admit(600, tph))).admitted
+    await clocked.shift(3000)
+    assert (await clocked.backend.admit(admit(300, tph))).admitted
+    assert not (await clocked.backend.admit(admit(200, tph))).admitted
+    await clocked.shift(601)  # the 600 left; the 300 are 601 s old
+    verdict = await clocked.backend.admit(admit(700, tph))
+    assert verdict.admitted and verdict.states[0].remaining == 0
+    await clocked.shift(3602)
+    after = await clocked.backend.admit(admit(1000, tph))
+    assert after.admitted and after.states[0].remaining == 0

@@ -51,14 +51,28 @@ local function read(c)
     redis.call('DEL', c.key)  -- every bucket present is older than the window
     lo, sum = c.cutoff, 0
   elseif lo < c.cutoff then
-    while lo < c.cutoff do
-      local v = redis.call('HGET', c.key, int(lo))
-      if v then
-        sum = sum - tonumber(v)
-        redis.call('HDEL', c.key, int(lo))
+    -- Walk the buckets that left, or the fields present when there are fewer of those
+    -- (a counter idle for most of a long window): never more steps than either.
+    if (c.cutoff - lo) / c.g > redis.call('HLEN', c.key) then
+      local flat = redis.call('HGETALL', c.key)
+      for i = 1, #flat, 2 do
+        local start = tonumber(flat[i])
+        if start and start < c.cutoff then
+          sum = sum - tonumber(flat[i + 1])
+          redis.call('HDEL', c.key, flat[i])
+        end
       end
-      lo = lo + c.g
+    else
+      while lo < c.cutoff do
+        local v = redis.call('HGET', c.key, int(lo))
+        if v then
+          sum = sum - tonumber(v)
+          redis.call('HDEL', c.key, int(lo))
+        end
+        lo = lo + c.g
+      end
     end
+    lo = c.cutoff
     redis.call('HSET', c.key, 'lo', int(lo), 'sum', int(sum))
   end
   c.lo, c.value = lo, sum
@@ -110,13 +124,20 @@ local function reset_at(c)
   return c.stop
 end
 
--- When `cost` would fit; 0: at reset_at.
+-- When `cost` would fit (asked on a refusal only); 0: at reset_at.
 local function retry_at(c, cost, limit)
   if not c.sliding or cost > limit then return 0 end
+  local flat = redis.call('HGETALL', c.key)
+  local buckets = {}
+  for i = 1, #flat, 2 do
+    local start = tonumber(flat[i])
+    if start then buckets[#buckets + 1] = {start, tonumber(flat[i + 1])} end
+  end
+  table.sort(buckets, function(x, y) return x[1] < y[1] end)
   local released = 0
-  for b = c.lo, c.cur, c.g do
-    released = released + tonumber(redis.call('HGET', c.key, int(b)) or '0')
-    if c.value - released + cost <= limit then return b + c.W + c.g end
+  for _, b in ipairs(buckets) do
+    released = released + b[2]
+    if c.value - released + cost <= limit then return b[1] + c.W + c.g end
   end
   return 0
 end
