@@ -329,7 +329,8 @@ def _net(entry: dict[str, str]) -> list[tuple[int, int, int]]:
     out = []
     for part in (entry.get("windows") or "").split(";"):
         bits = part.split(":")
-        if len(bits) == 4 and bits[0] == "tpm":
+        # Fixed TPM windows only (a sliding counter's span is "sl<window_s>.<bucket_s>").
+        if len(bits) == 4 and bits[0] == "tpm" and bits[1].isdigit():
             out.append((int(bits[1]), int(bits[2]), int(bits[3])))
     return out
 

@@ -385,10 +385,15 @@ class RedisQuotaBackend:
             keys = [reservation_key]
             args: list[Any] = [seq, amount, minimum]
             for c in token_counters:
-                key, a, b = windows.key_of(c, now_s)
-                keys.append(key)
-                args += (c.limit, "s" if c.shape == "sliding" else "f", a, b, c.weights[1])
-                args.append(1 if c.shadow else 0)
+                if c.shape == "fixed":  # inline: the common case, per lease batch
+                    a = now_s - now_s % c.window_s
+                    keys.append(f"{c.key}:{a}")
+                    args += (c.limit, "f", a, a + c.window_s)
+                else:
+                    counter_key, a, b = windows.key_of(c, now_s)
+                    keys.append(counter_key)
+                    args += (c.limit, "s" if c.shape == "sliding" else "f", a, b)
+                args += (c.weights[1], 1 if c.shadow else 0)
             keys.append(open_key)
             reply = await self._call("reserve", self._scripts.run_script(self._reserve, keys, args))
             status, granted, reply_s, reply_us = reply[:4]
@@ -449,9 +454,14 @@ class RedisQuotaBackend:
         keys = [reservation_key]
         args = head.copy()
         for c in token_counters:
-            key, a, b = windows.key_of(c, now_s)
-            keys.append(key)
-            args += ("s" if c.shape == "sliding" else "f", a, b, *c.weights)
+            if c.shape == "fixed":
+                a = now_s - now_s % c.window_s
+                keys.append(f"{c.key}:{a}")
+                args += ("f", a, a + c.window_s, *c.weights)
+            else:
+                counter_key, a, b = windows.key_of(c, now_s)
+                keys.append(counter_key)
+                args += ("s" if c.shape == "sliding" else "f", a, b, *c.weights)
         keys += (tenant + ":open", tenant + ":usage")
         return keys, args
 

@@ -251,3 +251,62 @@ async def test_retention_drops_entries_older_than_retention_s(
     assert left[-3:] == ["new0", "new1", "new2"]
     # Old entries sharing a node with a newer one may stay: at most one node's worth.
     assert len([r for r in left if r.startswith("old")]) <= 1
+
+
+SHAPES = (
+    Counter(
+        "tpm",
+        counter_key("acme", "tpm", "m", 4, span="sl4.1"),
+        1000,
+        4,
+        shape="sliding",
+        bucket_s=1,
+    ),
+    Counter(
+        "monthly_cost",
+        counter_key("acme", "monthly_cost", None, 31 * 86400, span="month.Europe%2FBerlin"),
+        10**12,
+        31 * 86400,
+        shape="calendar",
+        period="month",
+        timezone="Europe/Berlin",
+        weights=(2500, 10_000, 1250),
+    ),
+    Counter("otpm", counter_key("acme", "otpm", "m", 60), 50, 60, weights=(0, 1, 0), shadow=True),
+)
+
+
+async def test_sliding_calendar_weighted_and_shadow_counters_touch_only_declared_keys(
+    backend: RedisQuotaBackend, plain: aioredis.Redis
+) -> None:
+    """A sliding hash (trimmed by bucket, by HGETALL after an idle spell, deleted when all
+    of it left), a calendar window, cost weights and a shadow counter, through every
+    script path."""
+
+    def shaped(request_id: str, tokens: int = 100) -> AdmitRequest:
+        return AdmitRequest(
+            reservation_key("acme", request_id),
+            (RPM,),
+            SHAPES,
+            tokens,
+            usage=UsageTags("pro", "m", "", 40),
+        )
+
+    await room(plain, WINDOW, 15)
+    assert (await backend.admit(shaped("s1", 900))).admitted
+    refused = await backend.admit(shaped("s2", 200))  # sliding refuses: Retry-After walk
+    assert not refused.admitted and refused.states[1].retry_s is not None
+    grant = await backend.reserve(shaped("s1").reservation_key, 1, SHAPES, 64)
+    assert grant.granted == 64 and grant.shadow_cut_by == ("otpm",)
+    await asyncio.sleep(2.1)  # two buckets on: the trim walks them
+    assert (await backend.reserve(shaped("s1").reservation_key, 2, SHAPES, 8)).granted == 8
+    await backend.settle(
+        shaped("s1").reservation_key, SHAPES, 500, output_tokens=460, cached_tokens=20
+    )
+    assert (await backend.admit(shaped("s3", 50))).admitted
+    await asyncio.sleep(5.1)  # the whole window left: the hash is dropped and rebuilt
+    assert (await backend.admit(shaped("s4", 50))).admitted
+    await backend.cancel(shaped("s4").reservation_key, SHAPES)
+    await backend.settle(shaped("s3").reservation_key, SHAPES, 80)
+    stream = await plain.xrange(usage_stream_key(shaped("s1").reservation_key))
+    assert [f["reason"] for _, f in stream] == ["completed", "cancelled", "completed"]
