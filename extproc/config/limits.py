@@ -22,7 +22,10 @@ from extproc.config.schema import (
 
 # Counters are compared in Lua, whose numbers are doubles: exact up to 2**53.
 MAX_LIMIT = 2**53
-MAX_BUCKETS = 3600
+# A sliding counter's worst calls (a refusal's Retry-After, the first call after most of
+# the window sat idle) walk its buckets inside one script: ~1 ms of Redis time at 600
+# (benchmarks/bench_windows.py), which is as long as one script may hold the server.
+MAX_BUCKETS = 600
 METRICS: tuple[Metric, ...] = get_args(Metric)
 PERIODS: tuple[Period, ...] = get_args(Period)
 _RULE_KEYS = {"metric", "limit", "window", "shadow", "name"}
