@@ -77,6 +77,22 @@ def busiest_interval(points: Sequence[tuple[float, int]], window_s: float) -> tu
     return best, best_start
 
 
+def trailing_sums(points: Sequence[tuple[float, int]], window_s: float) -> list[tuple[float, int]]:
+    """The tokens in ``(t − window_s, t]`` as t runs: a (t, tokens) step at every delivery
+    and at every delivery's leaving, ``window_s`` later (its maximum is
+    ``busiest_interval``'s)."""
+    steps = sorted([*points, *((at + window_s, -tokens) for at, tokens in points)])
+    out: list[tuple[float, int]] = []
+    held = 0
+    for at, change in steps:
+        held += change
+        if out and out[-1][0] == at:
+            out[-1] = (at, held)  # one step per instant: what holds once all of it applied
+        else:
+            out.append((at, held))
+    return out
+
+
 def budget_windows(points: Sequence[tuple[float, int]], window_s: int) -> list[dict[str, Any]]:
     """Tokens delivered per epoch-aligned window (the processor's fixed windows, Redis TIME
     on the same host)."""

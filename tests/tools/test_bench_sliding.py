@@ -15,8 +15,8 @@ from loadlab.bench import build_scenario, run_parser
 from loadlab.engine import Phase, Record
 from loadlab.parts import processor_config
 from loadlab.scenario import ScenarioError, parse_scenario
-from loadlab.stats import budget_figures, busiest_interval, delivered_tokens
-from tests.tools.conftest import TINY, bench, write_scenario
+from loadlab.stats import budget_figures, busiest_interval, delivered_tokens, trailing_sums
+from tests.tools.conftest import PNG_SIGNATURE, TINY, bench, write_scenario
 
 
 def record(
@@ -64,6 +64,16 @@ def test_the_busiest_interval_is_exact_and_half_open(
     assert busiest_interval(points, window_s) == (tokens, start)
     # Against every interval starting at a point, summed the slow way.
     assert tokens == max(sum(n for t, n in points if s <= t < s + window_s) for s, _ in points)
+    # The plot's trailing window, (t − window_s, t] at each delivery, peaks at the same figure.
+    assert max(held for _, held in trailing_sums(points, window_s)) == tokens
+
+
+def test_the_trailing_window_drops_what_is_window_s_old() -> None:
+    points = delivered_tokens(RECORDS)
+    steps = trailing_sums(points, 2.5)
+    # At 103.0 the prompt arrives as (100.5, 10) leaves: one step of both.
+    assert [held for _, held in steps] == [10, 20, 30, 40, 30, 45, 48, 38, 42, 32, 7, 4, 0]
+    assert [at for at, _ in steps][:6] == [100.0, 100.5, 101.0, 101.5, 102.5, 103.0]
 
 
 def test_nothing_delivered_is_a_busiest_interval_of_zero() -> None:
@@ -235,3 +245,5 @@ def test_a_sliding_budget_holds_every_interval_of_its_window_in_a_real_run(
     summary_csv = (out / "summary.csv").read_text().splitlines()
     assert "budget_busiest_sliding_ratio" in summary_csv[0].split(",")
     assert "busiest/budget" in done.stdout
+    png = (out / "plots" / "sliding_use.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 1000
