@@ -14,9 +14,9 @@ from extproc.config.loader import parse_config
 from loadlab.bench import build_scenario, run_parser
 from loadlab.engine import Phase, Record
 from loadlab.parts import processor_config
-from loadlab.scenario import ScenarioError, parse_scenario
+from loadlab.scenario import ScenarioError, load_scenario, parse_scenario
 from loadlab.stats import budget_figures, busiest_interval, delivered_tokens, trailing_sums
-from tests.tools.conftest import PNG_SIGNATURE, TINY, bench, write_scenario
+from tests.tools.conftest import PNG_SIGNATURE, ROOT, TINY, bench, write_scenario
 
 
 def record(
@@ -247,3 +247,12 @@ def test_a_sliding_budget_holds_every_interval_of_its_window_in_a_real_run(
     assert "busiest/budget" in done.stdout
     png = (out / "plots" / "sliding_use.png").read_bytes()
     assert png.startswith(PNG_SIGNATURE) and len(png) > 1000
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "benchmarks" / "scenarios").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_every_shipped_scenario_is_valid(path: Path) -> None:
+    scenario = load_scenario(path)
+    if path.name == "sliding_vs_fixed.yaml":
+        assert scenario.budget is not None and scenario.budget.windows == ("fixed", "sliding")
