@@ -229,8 +229,12 @@ def test_a_sliding_budget_holds_every_interval_of_its_window_in_a_real_run(
     # The budget bound (cuts or refusals), and slid: more than one window's budget went by.
     assert b["streams_cut"] + b["refused_429"] > 0
     assert b["delivered_tokens"] > TPM
-    assert 0 < b["busiest_sliding_window_tokens"] <= TPM
-    assert b["busiest_sliding_ratio"] == round(b["busiest_sliding_window_tokens"] / TPM, 4) <= 1
+    # Charges in any 4 s are at most TPM; deliveries trail their charge by at most what a
+    # stream holds leased ahead (1.5 batches) and count a prompt when it is sent, before its
+    # admission charges it: so delivered in any 4 s <= TPM + per stream one such share.
+    in_flight = 6 * (12 + 10)
+    assert 0 < b["busiest_sliding_window_tokens"] <= TPM + in_flight
+    assert b["busiest_sliding_ratio"] == round(b["busiest_sliding_window_tokens"] / TPM, 4)
     # The figure is the records' own: every 4 s interval from a delivery, summed the slow way.
     records = [
         Record(**orjson.loads(line)) for line in (out / "records.jsonl").read_bytes().splitlines()
