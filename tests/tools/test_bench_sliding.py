@@ -134,7 +134,7 @@ BAD_WINDOWS = [
     (
         with_budget(window="sliding", window_s=7200, bucket_s=1),
         "processor.budget.bucket_s",
-        "more than 3600 buckets",
+        "more than 600 buckets",
     ),
 ]
 
