@@ -83,6 +83,8 @@ def processor_config(path: Path, scenario: Scenario, redis_url: str) -> Path:
             "charge_mode": variant.charge_mode,
             "batch_tokens": variant.batch_tokens,
         }
+        if budget is not None and variant.window == "sliding":
+            plans[plan] |= {"window": "sliding", "bucket_s": budget.bucket}
         for l_index in range(len(scenario.levels) + 1):  # the last one: warm-up requests
             key = tenant_key(variant, l_index)
             tenants[tenant_id(v_index, l_index)] = {"plan": plan, "key_sha256": [key_hash(key)]}

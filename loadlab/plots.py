@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from loadlab.engine import Phase
+from loadlab.stats import delivered_tokens, trailing_sums
 
 
 def _cdf(ax: Any, samples: Sequence[float], label: str) -> None:
@@ -119,6 +120,34 @@ def budget_use(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def sliding_use(phases: Sequence[Phase], rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Per processor phase with a budget: tokens delivered in the trailing window at each
+    delivery, against the budget (a fixed window's burst across its boundary rises above it;
+    a sliding window's stays under)."""
+    fig, ax = plt.subplots(figsize=(8.0, 4.2))
+    budgets = {(r["route"], r["level"]): r["budget"] for r in rows if "budget" in r}
+    for phase in phases:
+        budget = budgets.get((phase.route, phase.level))
+        points = delivered_tokens(phase.records)
+        if budget is None or not points:
+            continue
+        steps = trailing_sums(points, budget["window_s"])
+        ax.step([at - points[0][0] for at, _ in steps], [held for _, held in steps],
+                where="post", linewidth=1.0,
+                label=f"{phase.route} @ {phase.level:g} ({budget['window']} budget)")  # fmt: skip
+    if budgets:
+        budget = next(iter(budgets.values()))
+        ax.axhline(budget["tpm"], color="red", linestyle="--", label=f"budget ({budget['tpm']:,})")
+        ax.set_ylabel(f"tokens delivered in the last {budget['window_s']} s")
+    ax.set_xlabel("s since the phase's first delivery")
+    ax.grid(True, alpha=0.3)
+    _legend(ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_plots(
     phases: Sequence[Phase], rows: Sequence[dict[str, Any]], folder: Path, mode: str, budget: bool
 ) -> list[Path]:
@@ -135,4 +164,5 @@ def write_plots(
     ]  # fmt: skip
     if budget:
         out.append(budget_use(rows, folder / "budget_use.png"))
+        out.append(sliding_use(phases, rows, folder / "sliding_use.png"))
     return out

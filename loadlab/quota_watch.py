@@ -4,7 +4,9 @@ The processor's counters are epoch-aligned fixed windows (Redis ``TIME``) that e
 seconds after their window ends, so they are read every ``interval_s`` during the phase —
 the current window and the one before — and the last value read of each window is what was
 charged in it (refunds only reach live windows). Same host: the client's clock and Redis's
-agree on where a window starts.
+agree on where a window starts. Fixed windows only: a sliding counter is one hash of
+buckets with no per-window figure (``extproc bench`` starts no watch for one; its check is
+the busiest interval of what clients received, ``loadlab.stats.busiest_interval``).
 """
 
 from __future__ import annotations

@@ -120,9 +120,13 @@ def summary_table(rows: Sequence[dict[str, Any]], console: Console) -> None:
     console.print(table)
     budgets = [r for r in rows if "budget" in r]
     if budgets:
-        t = Table(title="quota accuracy: per window, tokens charged (Redis) vs the budget")
-        heads = ("route", "level", "windows", "max use", "over budget", "charged",
-                 "delivered", "charged − delivered", "cut", "429")  # fmt: skip
+        t = Table(
+            title="quota accuracy: per fixed window, tokens charged (Redis; delivered under a "
+            "sliding budget) vs the budget; the busiest interval of the window's length"
+        )
+        heads = ("route", "level", "windows", "max use", "over budget", "busiest",
+                 "busiest/budget", "charged", "delivered", "charged − delivered", "cut",
+                 "429")  # fmt: skip
         for h in heads:
             t.add_column(h, justify="left" if h == "route" else "right")
         for r in budgets:
@@ -130,6 +134,7 @@ def summary_table(rows: Sequence[dict[str, Any]], console: Console) -> None:
             t.add_row(
                 escape(r["route"]), f"{r['level']:g}", str(len(b["windows"])),
                 _fmt(b["max_utilisation"], 3), str(b["windows_over_budget"]),
+                _fmt(b["busiest_sliding_window_tokens"]), _fmt(b["busiest_sliding_ratio"], 3),
                 _fmt(b["charged_tokens"]), _fmt(b["delivered_tokens"]),
                 _fmt(b["charged_minus_delivered"]),
                 str(b["streams_cut"]), str(b["refused_429"]),

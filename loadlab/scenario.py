@@ -16,9 +16,12 @@ from typing import Any
 
 import yaml
 
+from extproc.config.limits import MAX_BUCKETS
+
 ROUTES = ("direct", "envoy", "noop", "processor")
 CHARGE_MODES = ("incremental", "reserve_max")
 LOAD_MODES = ("closed", "rate")
+WINDOWS = ("fixed", "sliding")
 DISTRIBUTIONS = ("fixed", "uniform", "normal")
 
 
@@ -62,18 +65,37 @@ class Variant:
 
     charge_mode: str = "incremental"
     batch_tokens: int = 32
+    window: str = "fixed"  # the budget's window kind
 
     @property
     def name(self) -> str:
-        return f"processor/{self.charge_mode}/b{self.batch_tokens}"
+        # Fixed is the default and goes unnamed: route names of earlier results still match.
+        kind = "" if self.window == "fixed" else f"/{self.window}"
+        return f"processor/{self.charge_mode}/b{self.batch_tokens}{kind}"
 
 
 @dataclass(frozen=True)
 class Budget:
-    """A TPM budget on the processor routes' tenant: the quota-accuracy figures."""
+    """A TPM budget on the processor routes' tenant: the quota-accuracy figures. Each window
+    kind in ``windows`` is a processor variant of its own; ``bucket_s`` (None: the
+    processor's default, window_s // 60) is the sliding windows' bucket."""
 
     tpm: int
     window_s: int = 60
+    windows: tuple[str, ...] = ("fixed",)
+    bucket_s: int | None = None
+
+    @property
+    def bucket(self) -> int:
+        return self.bucket_s if self.bucket_s is not None else max(1, self.window_s // 60)
+
+    def to_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "tpm": self.tpm, "window_s": self.window_s, "window": list(self.windows),
+        }  # fmt: skip
+        if "sliding" in self.windows:
+            doc["bucket_s"] = self.bucket
+        return doc
 
 
 @dataclass(frozen=True)
@@ -124,7 +146,14 @@ class Scenario:
 
     @property
     def variants(self) -> tuple[Variant, ...]:
-        return tuple(Variant(c, b) for c in self.charge_modes for b in self.batch_tokens)
+        windows = self.budget.windows if self.budget is not None else ("fixed",)
+        return tuple(
+            Variant(c, b, w) for w in windows for c in self.charge_modes for b in self.batch_tokens
+        )
+
+    def variant_of(self, route: str) -> Variant | None:
+        """The processor variant a route of the results runs (None: not a processor route)."""
+        return next((v for v in self.variants if self.variant_route(v) == route), None)
 
     @property
     def route_names(self) -> tuple[str, ...]:
@@ -168,9 +197,7 @@ class Scenario:
             "processor": {
                 "charge_modes": list(self.charge_modes),
                 "batch_tokens": list(self.batch_tokens),
-                "budget": None
-                if self.budget is None
-                else {"tpm": self.budget.tpm, "window_s": self.budget.window_s},
+                "budget": None if self.budget is None else self.budget.to_doc(),
             },
             "load": {
                 "mode": self.mode,
@@ -268,6 +295,37 @@ def _lengths(value: object, key: str) -> Lengths:
     return Lengths("normal", mean=mean, std=std)
 
 
+def _budget(value: object) -> Budget:
+    key = "processor.budget"
+    budget = _mapping(value, key, {"tpm", "window_s", "window", "bucket_s"})
+    if "tpm" not in budget:
+        raise ScenarioError(f"{key}.tpm", "is required with a budget")
+    window_s = _int(budget.get("window_s", 60), f"{key}.window_s", 1)
+    windows = tuple(
+        dict.fromkeys(
+            _choice(w, f"{key}.window", WINDOWS)
+            for w in _list(budget.get("window", "fixed"), f"{key}.window")
+        )
+    )
+    bucket_s = budget.get("bucket_s")
+    if bucket_s is not None:
+        if "sliding" not in windows:
+            raise ScenarioError(f"{key}.bucket_s", "only applies to window: sliding")
+        bucket_s = _int(bucket_s, f"{key}.bucket_s", 1)
+    out = Budget(_int(budget["tpm"], f"{key}.tpm", 1), window_s, windows, bucket_s)
+    if "sliding" in windows:
+        # The processor's own rules (extproc.config.limits.sliding), named here by our key.
+        what = f"{out.bucket}" if bucket_s is not None else f"the default {out.bucket}"
+        if window_s % out.bucket:
+            raise ScenarioError(f"{key}.bucket_s", f"{what} does not divide window_s ({window_s})")
+        if window_s // out.bucket > MAX_BUCKETS:
+            raise ScenarioError(
+                f"{key}.bucket_s",
+                f"{window_s} s in buckets of {out.bucket} s is more than {MAX_BUCKETS} buckets",
+            )
+    return out
+
+
 # ``run``: what a results folder's scenario.yaml adds (versions, machine); ignored, so that
 # file can be run again as it is.
 TOP_KEYS = {
@@ -322,13 +380,7 @@ def parse_scenario(doc: object, base: Scenario | None = None) -> Scenario:
         if proc["budget"] is None:
             changes["budget"] = None
         else:
-            budget = _mapping(proc["budget"], "processor.budget", {"tpm", "window_s"})
-            if "tpm" not in budget:
-                raise ScenarioError("processor.budget.tpm", "is required with a budget")
-            changes["budget"] = Budget(
-                _int(budget["tpm"], "processor.budget.tpm", 1),
-                _int(budget.get("window_s", 60), "processor.budget.window_s", 1),
-            )
+            changes["budget"] = _budget(proc["budget"])
     load = _mapping(
         top.get("load"),
         "load",

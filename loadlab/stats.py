@@ -43,30 +43,73 @@ def _pooled(records: Iterable[Record], attr: str, scale: float = 1.0) -> list[fl
     return [v * scale for r in records for v in getattr(r, attr)]
 
 
-def budget_windows(records: Sequence[Record], window_s: int) -> list[dict[str, Any]]:
-    """Tokens delivered per epoch-aligned window (the processor's windows, Redis TIME on the
-    same host): a request's prompt in the window it was sent in, each token event's tokens in
-    the window it arrived in."""
-    per: Counter[int] = Counter()
+def delivered_tokens(records: Iterable[Record]) -> list[tuple[float, int]]:
+    """(wall-clock s, tokens) of everything that reached clients, in time order: a request's
+    prompt when it was sent, each token event's share of the output when it arrived (the
+    finest timing a record holds; whole tokens, so sums are exact: event k of n carries
+    ``⌊(k+1)·out/n⌋ − ⌊k·out/n⌋``)."""
+    points: list[tuple[float, int]] = []
     for r in records:
         if r.status != 200:
             continue
         start_s = r.start_ns / 1e9
-        per[int(start_s // window_s)] += r.prompt_tokens
-        if r.events:
-            per_event = r.output_tokens / r.events
-            for arrived_ms in r.chunk_arrival_ms:
-                per[int((start_s + arrived_ms / 1000) // window_s)] += per_event
-    return [
-        {"window_start_s": w * window_s, "delivered_tokens": round(per[w])} for w in sorted(per)
-    ]
+        points.append((start_s, r.prompt_tokens))
+        n = len(r.chunk_arrival_ms)
+        for k, arrived_ms in enumerate(r.chunk_arrival_ms):
+            share = (k + 1) * r.output_tokens // n - k * r.output_tokens // n
+            points.append((start_s + arrived_ms / 1000, share))
+    points.sort()
+    return points
 
 
-def budget_figures(phase: Phase, tpm: int, window_s: int) -> dict[str, Any]:
-    """Per window: what the processor charged (Redis) and what reached the client, against
-    the budget; and over the phase: streams cut, 429s, charged − delivered."""
+def busiest_interval(points: Sequence[tuple[float, int]], window_s: float) -> tuple[int, float]:
+    """The most tokens any interval ``[t, t + window_s)`` holds, and its start. A busiest
+    interval can always start at a point (move it right until one is at its left edge: it
+    loses none), so two pointers over the sorted points find it in one pass."""
+    best, best_start, held, right = 0, points[0][0] if points else 0.0, 0, 0
+    for left, (start, _) in enumerate(points):
+        while right < len(points) and points[right][0] < start + window_s:
+            held += points[right][1]
+            right += 1
+        if held > best:
+            best, best_start = held, start
+        held -= points[left][1]
+    return best, best_start
+
+
+def trailing_sums(points: Sequence[tuple[float, int]], window_s: float) -> list[tuple[float, int]]:
+    """The tokens in ``(t − window_s, t]`` as t runs: a (t, tokens) step at every delivery
+    and at every delivery's leaving, ``window_s`` later (its maximum is
+    ``busiest_interval``'s)."""
+    steps = sorted([*points, *((at + window_s, -tokens) for at, tokens in points)])
+    out: list[tuple[float, int]] = []
+    held = 0
+    for at, change in steps:
+        held += change
+        if out and out[-1][0] == at:
+            out[-1] = (at, held)  # one step per instant: what holds once all of it applied
+        else:
+            out.append((at, held))
+    return out
+
+
+def budget_windows(points: Sequence[tuple[float, int]], window_s: int) -> list[dict[str, Any]]:
+    """Tokens delivered per epoch-aligned window (the processor's fixed windows, Redis TIME
+    on the same host)."""
+    per: Counter[int] = Counter()
+    for at, tokens in points:
+        per[int(at // window_s)] += tokens
+    return [{"window_start_s": w * window_s, "delivered_tokens": per[w]} for w in sorted(per)]
+
+
+def budget_figures(phase: Phase, tpm: int, window_s: int, window: str = "fixed") -> dict[str, Any]:
+    """Per fixed window: what the processor charged (Redis; None under a sliding budget,
+    whose counter has no fixed windows) and what reached the client, against the budget;
+    over the phase: the busiest ``window_s`` interval of delivered tokens, streams cut,
+    429s, charged − delivered."""
+    points = delivered_tokens(phase.records)
     delivered = {w["window_start_s"]: w["delivered_tokens"] for w in
-                 budget_windows(phase.records, window_s)}  # fmt: skip
+                 budget_windows(points, window_s)}  # fmt: skip
     charged = phase.charged or {}
     windows = []
     for start in sorted(set(delivered) | set(charged)):
@@ -80,6 +123,7 @@ def budget_figures(phase: Phase, tpm: int, window_s: int) -> dict[str, Any]:
                 "utilisation": round((used or 0) / tpm, 4),
             }
         )
+    busiest, busiest_start = busiest_interval(points, window_s)
     outcomes = Counter(r.outcome for r in phase.records)
     delivered_total = sum(delivered.values())
     charged_total = sum(charged.values()) if phase.charged is not None else None
@@ -87,10 +131,14 @@ def budget_figures(phase: Phase, tpm: int, window_s: int) -> dict[str, Any]:
     return {
         "tpm": tpm,
         "window_s": window_s,
+        "window": window,
         "utilisation_basis": basis,
         "windows": windows,
         "max_utilisation": max((w["utilisation"] for w in windows), default=None),
         "windows_over_budget": sum(1 for w in windows if w["utilisation"] > 1),
+        "busiest_sliding_window_tokens": busiest,
+        "busiest_sliding_window_start_s": round(busiest_start, 6) if points else None,
+        "busiest_sliding_ratio": round(busiest / tpm, 4),
         "delivered_tokens": delivered_total,
         "charged_tokens": charged_total,
         "charged_minus_delivered": None
@@ -126,8 +174,10 @@ def summarize_phase(phase: Phase, scenario: Scenario) -> dict[str, Any]:
         "added_chunk_latency_ms": {"p50": None, "p99": None},
         "cpu_share": {k: round(v, 3) for k, v in phase.cpu_share.items()},
     }
-    if scenario.budget is not None and phase.route.startswith("processor"):
-        row["budget"] = budget_figures(phase, scenario.budget.tpm, scenario.budget.window_s)
+    variant = scenario.variant_of(phase.route)
+    if scenario.budget is not None and variant is not None:
+        b = scenario.budget
+        row["budget"] = budget_figures(phase, b.tpm, b.window_s, variant.window)
     return row
 
 
@@ -156,6 +206,7 @@ CSV_COLUMNS = [
     *(f"{m}_{q}" for m in LATENCIES for q in ("p50", "p90", "p99", "mean")),
     "added_chunk_latency_ms_p50", "added_chunk_latency_ms_p99",
     "failed", "streams_cut", "refused_429", "budget_max_utilisation",
+    "budget_busiest_sliding_window_tokens", "budget_busiest_sliding_ratio",
     "cpu_client", "cpu_simulator", "cpu_envoy", "cpu_processor", "cpu_machine",
 ]  # fmt: skip
 
@@ -170,7 +221,8 @@ def csv_row(row: dict[str, Any]) -> dict[str, Any]:
     out["failed"] = row["requests"] - row["completed"]
     out["streams_cut"] = row["outcomes"].get("cut", 0)
     out["refused_429"] = row["outcomes"].get("refused", 0)
-    out["budget_max_utilisation"] = row.get("budget", {}).get("max_utilisation")
+    for name in ("max_utilisation", "busiest_sliding_window_tokens", "busiest_sliding_ratio"):
+        out[f"budget_{name}"] = row.get("budget", {}).get(name)
     for role in ("client", "simulator", "envoy", "processor", "machine"):
         out[f"cpu_{role}"] = row["cpu_share"].get(role)
     return out
