@@ -101,6 +101,7 @@ class ResponseMeter:
         )  # the config it was admitted under (a reload may have come since)
         self.retry_due = False  # the last lease was such a refusal: wait, then ask again
         self.exhausted_code = "tpm_limit_exceeded"
+        self.exhausted_what = "tokens per minute"  # the limit that cut, for the message
         self.started = False  # response headers seen: the watchdog applies from here
         self.finished = False  # we ended the client's stream (cut-off or timeout)
         self.completed = False  # the upstream ended its stream normally
@@ -473,17 +474,15 @@ class ResponseMeter:
                 counters = self.admitted.policy.token_counters
                 counter = next((c for c in counters if c.kind == tightest.kind), None)
                 if counter is not None:
-                    self.exhausted_code = describe_limit(counter)[0]
+                    self.exhausted_code, self.exhausted_what = describe_limit(counter)
         self.lease_task = None
 
     # -- ending ----------------------------------------------------------------------------
 
     def _closing_bytes(self, code: str) -> bytes:
         """The events that end a stream we cut: an error event, or a normal length stop."""
-        if self.admitted.policy.on_exhaustion == "truncate" and code in (
-            "tpm_limit_exceeded",
-            "daily_budget_exceeded",
-        ):
+        limit = code.endswith("_exceeded")
+        if self.admitted.policy.on_exhaustion == "truncate" and limit:
             return self._truncation_bytes()
         messages = {
             "tpm_limit_exceeded": "Token rate limit reached: the stream was ended because the "
@@ -496,8 +495,12 @@ class ResponseMeter:
             "shutdown": "The gateway is restarting: the stream was ended before the answer "
             "was complete. Please retry.",
         }
-        error_type = "rate_limit_error" if code.endswith("_exceeded") else "api_error"
-        error = {"error": {"message": messages[code], "type": error_type, "code": code}}
+        message = messages.get(code) or (
+            f"Rate limit reached on {self.exhausted_what}: the stream was ended. "
+            "Please try again later."
+        )
+        error_type = "rate_limit_error" if limit else "api_error"
+        error = {"error": {"message": message, "type": error_type, "code": code}}
         return b"data: " + orjson.dumps(error) + b"\n\n" + _DONE
 
     def _truncation_bytes(self) -> bytes:
