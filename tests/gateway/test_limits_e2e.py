@@ -52,13 +52,6 @@ MODELS = {
 }
 ROOMY_RPM = 100_000
 ITPM, OTPM = 60, 40
-# The meter's closing event has a message only for the old codes: a stream cut by any new
-# limit (cost_limit_exceeded, output_tpm_limit_exceeded, ...) raises KeyError in
-# billing/meter.py _closing_bytes and the client gets a reset. Remove once that is fixed
-# (both tests pass with a message for every code).
-CLOSING_MESSAGE_BUG = pytest.mark.xfail(
-    reason="meter._closing_bytes has no message for the new limit codes", strict=False
-)
 
 
 def window_plan(window: str, **limits: int) -> dict[str, Any]:
@@ -250,7 +243,6 @@ def test_fixed_window_lets_the_same_burst_through_twice(
 # --- cost -------------------------------------------------------------------------------
 
 
-@CLOSING_MESSAGE_BUG
 def test_cost_budget_cuts_the_stream_at_the_exact_nano_unit(
     gateway: Gateway, redis_client: redis.Redis
 ) -> None:
@@ -269,6 +261,7 @@ def test_cost_budget_cuts_the_stream_at_the_exact_nano_unit(
     )
     assert result.status == 200 and result.clean_end and result.done
     assert result.error is not None and result.error["type"] == "rate_limit_error"
+    assert result.error["code"] == "cost_limit_exceeded"
     assert result.output_tokens() == expected
     spent = prompt * IN_NANO + expected * OUT_NANO
     assert BUDGET_NANO - spent < OUT_NANO  # not one more token would have fit
@@ -342,7 +335,6 @@ def test_prompt_over_itpm_is_refused_with_its_own_code(
     assert counter_total(redis_client, "itpm", "itpm") == 0  # all or none
 
 
-@CLOSING_MESSAGE_BUG
 def test_output_is_cut_at_otpm(gateway: Gateway, redis_client: redis.Redis) -> None:
     request = {
         "model": "gpt-4.1",
