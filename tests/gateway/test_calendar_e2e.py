@@ -107,9 +107,8 @@ def gateway(
             "plans": PLANS,
             "tenants": tenants,
             "refund_wait_ms": 0,
-            # The ledger's age bound trims by the shifted clock, its entry ids are real
-            # time: months ahead, every entry would look older than the bound.
-            "usage_ledger": {"retention_s": 0},
+            # The default age bound (a week) stays on: it trims by the stream's own ids,
+            # so a clock months ahead must not empty the ledger.
         },
     )
     client = redis.Redis(port=redis_server.port)

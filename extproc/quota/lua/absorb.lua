@@ -91,11 +91,12 @@ if ARGV[3] == '1' then
     'refunded', 0, 'windows', table.concat(windows, ';'), 'reason', ARGV[9],
     'admitted_at_us', ARGV[12], 'settled_at_us', t[1] .. string.format('%06d', tonumber(t[2]))}
   for _, x in ipairs(fields) do add[#add + 1] = x end
-  redis.call(unpack(add))
+  local id = redis.call(unpack(add))
   local retention_ms = tonumber(ARGV[5])
   if retention_ms > 0 then
-    local now_ms = now_s * 1000 + math.floor(tonumber(t[2]) / 1000)
-    redis.call('XTRIM', stream, 'MINID', '~', string.format('%d', now_ms - retention_ms))
+    -- Measured on the stream's own ids (the server's real clock), not on TIME.
+    local id_ms = tonumber(string.match(id, '^(%d+)'))
+    redis.call('XTRIM', stream, 'MINID', '~', string.format('%d', id_ms - retention_ms))
   end
 end
 return {0, summary}

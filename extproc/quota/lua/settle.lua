@@ -189,10 +189,11 @@ if LEDGER then
     'refunded', parts[3] or '0', 'windows', table.concat(windows, ';'), 'reason', reason,
     'admitted_at_us', rec['at'] or '', 'settled_at_us', t[1] .. string.format('%06d', tonumber(t[2]))}
   for _, x in ipairs(fields) do add[#add + 1] = x end
-  redis.call(unpack(add))
+  local id = redis.call(unpack(add))
   if RETENTION_MS > 0 then
-    local now_ms = now_s * 1000 + math.floor(tonumber(t[2]) / 1000)
-    redis.call('XTRIM', stream, 'MINID', '~', string.format('%d', now_ms - RETENTION_MS))
+    -- Measured on the stream's own ids (the server's real clock), not on TIME.
+    local id_ms = tonumber(string.match(id, '^(%d+)'))
+    redis.call('XTRIM', stream, 'MINID', '~', string.format('%d', id_ms - RETENTION_MS))
   end
 end
 return {0, summary}
