@@ -9,10 +9,12 @@ next token, and the request is counted as ``finish_reason="abort"``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 import orjson
@@ -29,6 +31,8 @@ from llmsim.scheduler import Engine, Ticket
 from llmsim.settings import FAILURE_TYPES, ConfigError, ConfigHolder, SimConfig, to_public_dict
 from llmsim.sse import DONE, StreamEvents, escape, stamped, usage_json
 from llmsim.textgen import Answer, group_pieces, plan_answer
+
+PREFIX_CACHE_PROMPTS = 10_000
 
 log = logging.getLogger("llmsim")
 
@@ -52,6 +56,24 @@ class Rank:
         self.engine = Engine(cfg.max_num_seqs, cfg.max_waiting_queue_length)
         self.metrics = Metrics(sorted({m.display for m in catalog.values()}), cfg.max_model_len)
         self.started_at = time.monotonic()
+        # Prompts seen (``ext_prefix_cache_block``): a digest per model and prompt, oldest out.
+        self.seen_prompts: OrderedDict[bytes, None] = OrderedDict()
+
+    def cached_prompt_tokens(
+        self, cfg: SimConfig, model: str, req: GenerationRequest, prompt_tokens: int
+    ) -> int | None:
+        """vLLM's ``prompt_tokens_details.cached_tokens`` for a prefix cache that keeps whole
+        prompts: a prompt seen before on this rank has its whole blocks cached. None: off."""
+        block = cfg.ext_prefix_cache_block
+        if block <= 0:
+            return None
+        digest = hashlib.sha256(orjson.dumps([model, req.messages, req.prompt])).digest()
+        seen = digest in self.seen_prompts
+        self.seen_prompts[digest] = None
+        self.seen_prompts.move_to_end(digest)
+        if len(self.seen_prompts) > PREFIX_CACHE_PROMPTS:
+            self.seen_prompts.popitem(last=False)
+        return prompt_tokens // block * block if seen else 0
 
     def app(self) -> web.Application:
         cfg = self.holder.current
@@ -200,6 +222,7 @@ class _Run:
         self.served = served
         self.answer = answer
         self.prompt_tokens = prompt_tokens
+        self.cached = rank.cached_prompt_tokens(cfg, served.display, req, prompt_tokens)
         self.stats = stats
         self.request_id = request_id
         self.generated = 0
@@ -306,11 +329,9 @@ class _Run:
             "created": int(time.time()),
             "model": self.served.display,
             "choices": [choice],
-            "usage": {
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": answer.completion_tokens,
-                "total_tokens": self.prompt_tokens + answer.completion_tokens,
-            },
+            "usage": orjson.loads(
+                usage_json(self.prompt_tokens, answer.completion_tokens, self.cached)
+            ),
         }
         return web.Response(
             body=orjson.dumps(body), content_type="application/json", headers=headers
@@ -336,7 +357,7 @@ class _Run:
         write = response.write
         pending = b""
         if req.kind == "chat":
-            pending = events.role(usage_json(prompt_tokens, 0) if continuous else None)
+            pending = events.role(usage_json(prompt_tokens, 0, self.cached) if continuous else None)
         next_at = loop.time()
         last_at = 0.0
         for index, (text, tokens) in enumerate(groups):
@@ -351,7 +372,7 @@ class _Run:
             stats.generation_tokens += tokens
             if continuous:
                 event = events.token_with_usage(
-                    escape(text), usage_json(prompt_tokens, self.generated)
+                    escape(text), usage_json(prompt_tokens, self.generated, self.cached)
                 )
             else:
                 event = events.token(escape(text))
@@ -377,7 +398,7 @@ class _Run:
                 return "abort"
             if not paced:
                 await asyncio.sleep(0)  # let a disconnect (or other streams) be noticed
-        usage = usage_json(prompt_tokens, self.generated)
+        usage = usage_json(prompt_tokens, self.generated, self.cached)
         tail = events.finish(self.answer.finish_reason, usage if continuous else None)
         if not groups and req.kind == "chat":
             tail = pending + tail

@@ -89,6 +89,7 @@ class SimConfig:
     ext_malformed_event_rate: float = 0.0
     ext_split_writes_rate: float = 0.0
     ext_stamp_events: bool = False
+    ext_prefix_cache_block: int = 0
     ignored: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -230,6 +231,12 @@ KEYS: dict[str, KeySpec] = {
     "ext-stall-duration": _key("ext_stall_duration", _as_duration, admin=True),
     "ext-malformed-event-rate": _key("ext_malformed_event_rate", _as_float, admin=True),
     "ext-split-writes-rate": _key("ext_split_writes_rate", _as_float, admin=True),
+    "ext-prefix-cache-block": _key(
+        "ext_prefix_cache_block",
+        _as_int,
+        help="report prompt_tokens_details.cached_tokens: a repeated prompt has its whole "
+        "blocks of this many tokens cached (0: off)",
+    ),
     "ext-stamp-events": _key(
         "ext_stamp_events",
         _as_bool,

@@ -21,12 +21,15 @@ def escape(text: str) -> bytes:
     return orjson.dumps(text)[1:-1]
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int) -> bytes:
-    return b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}' % (
+def usage_json(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> bytes:
+    usage = b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d' % (
         prompt_tokens,
         completion_tokens,
         prompt_tokens + completion_tokens,
     )
+    if cached is not None:  # ext_prefix_cache_block: as vLLM's prompt tokens details
+        usage += b',"prompt_tokens_details":{"cached_tokens":%d}' % cached
+    return usage + b"}"
 
 
 class StreamEvents:
