@@ -77,7 +77,7 @@ TENANTS: dict[str, dict[str, Any]] = {
         for metric, limit in (("rpm", LIMIT_RPM), ("tpm", LIMIT_TPM))
         for i in range(ATTEMPTS)
     },
-    "cost": stream_plan(limits={"*": {"rpm": ROOMY_RPM, "cost": COST_BUDGET}}),
+    "spend": stream_plan(limits={"*": {"rpm": ROOMY_RPM, "cost": COST_BUDGET}}),
     "shadow": stream_plan(limits={"*": {"rpm": 2, "tpm": 150}}, shadow=True),
     "itpm": stream_plan(limits={"*": {"itpm": ITPM, "otpm": OTPM}}),
     "otpm": stream_plan(limits={"*": {"itpm": ITPM, "otpm": OTPM}}),
@@ -257,7 +257,7 @@ def test_cost_budget_cuts_the_stream_at_the_exact_nano_unit(
     expected = (BUDGET_NANO - prompt * IN_NANO) // OUT_NANO
     assert 32 < expected < 2000  # the budget runs out inside the stream, past a first batch
     result = asyncio.run(
-        stream_http1(gateway.base_url + "/v1/chat/completions", tenant_key("cost"), request)
+        stream_http1(gateway.base_url + "/v1/chat/completions", tenant_key("spend"), request)
     )
     assert result.status == 200 and result.clean_end and result.done
     assert result.error is not None and result.error["type"] == "rate_limit_error"
@@ -265,8 +265,8 @@ def test_cost_budget_cuts_the_stream_at_the_exact_nano_unit(
     assert result.output_tokens() == expected
     spent = prompt * IN_NANO + expected * OUT_NANO
     assert BUDGET_NANO - spent < OUT_NANO  # not one more token would have fit
-    assert wait_until(lambda: counter_total(redis_client, "cost", "cost") == spent)
-    (entry,) = ledger(redis_client, "cost")
+    assert wait_until(lambda: counter_total(redis_client, "spend", "cost") == spent)
+    (entry,) = ledger(redis_client, "spend")
     assert int(entry["prompt_tokens"]) == prompt
     assert int(entry["output_tokens"]) == expected
     assert entry["reason"] == "cutoff"
