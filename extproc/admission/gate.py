@@ -233,9 +233,7 @@ class Admission:
                 "shadow_limit_would_refuse", request_id=request_id, tenant=tenant.id, kind=kind
             )
         self.metrics.tokens_reserved[labels] += charge.tokens
-        states = verdict.states
-        if policy.shadow_kinds:
-            states = tuple(s for s in states if s.kind not in policy.shadow_kinds)
+        states = policy.enforced(verdict.states)
         return Admitted(
             tenant, request, policy, tokenizer, reservation_key,
             prompt_tokens, output_reserved, states, verdict.replayed,
@@ -331,6 +329,6 @@ def _refusal(
         message = f"Rate limit reached on {what}."
     headers = (
         ("retry-after", retry_after(states, refused_by)),
-        *ratelimit_headers(tuple(s for s in states if s.kind not in policy.shadow_kinds)),
+        *ratelimit_headers(policy.enforced(states)),
     )
     return ApiError(429, message, "rate_limit_error", code, None, headers)

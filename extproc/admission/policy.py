@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from extproc.config import LimitRule, ModelSpec, PlanSpec, TenantSpec
 from extproc.config.schema import ChargeMode, OnExhaustion
 from extproc.quota import keys
-from extproc.quota.base import Counter, CounterKind, unit_of
+from extproc.quota.base import Counter, CounterKind, CounterState, unit_of
 
 DAY_S = 86400
 _NOMINAL_S = {"day": DAY_S, "week": 7 * DAY_S, "month": 31 * DAY_S}
@@ -76,6 +76,12 @@ class QuotaPolicy:
     # Token counter kinds that limit (not shadow): the lease's fair share reads their room.
     enforced_token_kinds: frozenset[CounterKind] = frozenset()
     shadow_kinds: frozenset[CounterKind] = frozenset()
+
+    def enforced(self, states: tuple[CounterState, ...]) -> tuple[CounterState, ...]:
+        """The states of counters that limit (shadow ones left out: headers, cut codes)."""
+        if not self.shadow_kinds:
+            return states
+        return tuple(s for s in states if s.kind not in self.shadow_kinds)
 
     @property
     def metered(self) -> bool:

@@ -468,7 +468,7 @@ class ResponseMeter:
         else:
             self.exhausted = True
             metrics.lease_batches[(*self._labels, "refused")] += 1
-            enforced = [s for s in grant.states if s.kind not in self.admitted.policy.shadow_kinds]
+            enforced = self.admitted.policy.enforced(grant.states)
             if enforced:
                 tightest = min(enforced, key=lambda s: s.remaining / max(1, s.limit))
                 counters = self.admitted.policy.token_counters

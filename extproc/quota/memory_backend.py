@@ -79,7 +79,7 @@ class _Open:
 
     def __init__(self, backend: MemoryQuotaBackend, c: Counter, now_s: int, now: float) -> None:
         self.b, self.c, self.now = backend, c, now
-        key, a, b = windows.key_of(c, now_s)
+        key, _, a, b = windows.script_window(c, now_s)
         self.key = key
         if c.shape == "sliding":
             self.cur = now_s - now_s % c.bucket_s

@@ -342,16 +342,10 @@ class RedisQuotaBackend:
                 tags.prompt_tokens,
             ]
             for c in counters:
-                if c.shape == "fixed":  # inline: the common case, once per counter per call
-                    a = now_s - now_s % c.window_s
-                    keys.append(f"{c.key}:{a}")
-                    args += (c.kind, c.limit, "f", a, a + c.window_s)
-                else:
-                    counter_key, a, b = windows.key_of(c, now_s)
-                    keys.append(counter_key)
-                    args += (c.kind, c.limit, "s" if c.shape == "sliding" else "f", a, b)
-                w = c.weights
-                args += (w[0], w[1], 1 if c.shadow else 0)
+                counter_key, shape, a, b = windows.script_window(c, now_s)
+                keys.append(counter_key)
+                args += (c.kind, c.limit, shape, a, b, c.weights[0], c.weights[1])
+                args.append(1 if c.shadow else 0)
             keys.append(open_key)
             reply = await self._call("admit", self._scripts.run_script(self._admit, keys, args))
             replayed, verdict, reply_s, reply_us, cancelled, retry_soon, wrong = reply
@@ -385,15 +379,9 @@ class RedisQuotaBackend:
             keys = [reservation_key]
             args: list[Any] = [seq, amount, minimum]
             for c in token_counters:
-                if c.shape == "fixed":  # inline: the common case, per lease batch
-                    a = now_s - now_s % c.window_s
-                    keys.append(f"{c.key}:{a}")
-                    args += (c.limit, "f", a, a + c.window_s)
-                else:
-                    counter_key, a, b = windows.key_of(c, now_s)
-                    keys.append(counter_key)
-                    args += (c.limit, "s" if c.shape == "sliding" else "f", a, b)
-                args += (c.weights[1], 1 if c.shadow else 0)
+                counter_key, shape, a, b = windows.script_window(c, now_s)
+                keys.append(counter_key)
+                args += (c.limit, shape, a, b, c.weights[1], 1 if c.shadow else 0)
             keys.append(open_key)
             reply = await self._call("reserve", self._scripts.run_script(self._reserve, keys, args))
             status, granted, reply_s, reply_us = reply[:4]
@@ -454,14 +442,9 @@ class RedisQuotaBackend:
         keys = [reservation_key]
         args = head.copy()
         for c in token_counters:
-            if c.shape == "fixed":
-                a = now_s - now_s % c.window_s
-                keys.append(f"{c.key}:{a}")
-                args += ("f", a, a + c.window_s, *c.weights)
-            else:
-                counter_key, a, b = windows.key_of(c, now_s)
-                keys.append(counter_key)
-                args += ("s" if c.shape == "sliding" else "f", a, b, *c.weights)
+            counter_key, shape, a, b = windows.script_window(c, now_s)
+            keys.append(counter_key)
+            args += (shape, a, b, *c.weights)
         keys += (tenant + ":open", tenant + ":usage")
         return keys, args
 

@@ -37,10 +37,16 @@ def bounds(counter: Counter, now_s: int) -> tuple[int, int]:
     return calendar_bounds(counter.period, counter.timezone, now_s)
 
 
-def key_of(counter: Counter, now_s: int) -> tuple[str, int, int]:
-    """The key a script touches for ``counter`` at ``now_s``, with its two bounds."""
+def script_window(counter: Counter, now_s: int) -> tuple[str, str, int, int]:
+    """What a script gets for ``counter`` at ``now_s``: the key it touches, its shape code
+    (``f`` a window with bounds, ``s`` a sliding hash) and the two bounds (``bounds``)."""
+    if counter.shape == "fixed":  # the common case first: once per counter per call
+        start = now_s - now_s % counter.window_s
+        return f"{counter.key}:{start}", "f", start, start + counter.window_s
     a, b = bounds(counter, now_s)
-    return (counter.key if counter.shape == "sliding" else f"{counter.key}:{a}"), a, b
+    if counter.shape == "sliding":
+        return counter.key, "s", a, b
+    return f"{counter.key}:{a}", "f", a, b
 
 
 def sliding_retry_at(
