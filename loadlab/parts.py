@@ -30,8 +30,10 @@ from loadlab.simulator import Simulator
 CHAT_PATH = "/v1/chat/completions"
 
 
-class Terminated(Exception):
-    """SIGTERM, turned into an exception so every part is stopped on the way out."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an interrupt so every part is stopped on the way out. A
+    KeyboardInterrupt because asyncio re-raises only that (and SystemExit) from its
+    callbacks: an Exception raised inside a transport's write was logged and swallowed."""
 
 
 def raise_on_sigterm(signum: int, frame: object) -> None:
