@@ -73,6 +73,21 @@ def main(argv: list[str] | None = None) -> int:
         help="override the config's drain_delay_s: after SIGTERM, seconds of NOT_SERVING "
         "while new streams are still taken (0 when nothing health-checks the processor)",
     )
+    serve.add_argument(
+        "--tls-cert",
+        help="TLS on the gRPC listener: certificate chain file (PEM); with --tls-key, "
+        "overrides the config's tls section; re-read on change (rotation)",
+    )
+    serve.add_argument("--tls-key", help="the --tls-cert certificate's private key (PEM)")
+    serve.add_argument(
+        "--tls-client-ca",
+        help="mutual TLS: clients must present a certificate signed by this CA bundle (PEM)",
+    )
+    serve.add_argument(
+        "--health-listen",
+        help="host:port of a plaintext listener serving only grpc.health.v1 (for probes "
+        "that speak no TLS, like Kubernetes' gRPC probes)",
+    )
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
         "--config-poll-s",
@@ -131,6 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         "drain_delay_s": args.drain_delay_s,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    if args.health_listen is not None:
+        overrides["health_listen"] = args.health_listen
+    if args.tls_cert or args.tls_key or args.tls_client_ca:
+        if not (args.tls_cert and args.tls_key):
+            print("--tls-cert and --tls-key go together", file=sys.stderr)
+            return 2
+        overrides["tls"] = {"cert_file": args.tls_cert, "key_file": args.tls_key}
+        if args.tls_client_ca:
+            overrides["tls"]["client_ca_file"] = args.tls_client_ca
     try:
         config = load_config(args.config, overrides)
     except ConfigError as exc:
@@ -153,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             shared += ["--redis-url", args.redis_url]
         if args.drain_delay_s is not None:
             shared += ["--drain-delay-s", str(args.drain_delay_s)]
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "health_listen"):
+            if getattr(args, name):
+                shared += ["--" + name.replace("_", "-"), getattr(args, name)]
         return supervise(shared, args.workers, config.listen, args.metrics_listen)
     from extproc.transport.server import serve as run_server
 
