@@ -205,6 +205,12 @@ def _usage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     for p in (export, summary):
         p.add_argument("--redis-url", required=True)
         p.add_argument("--prefix", default="tq", help="the processors' key_prefix")
+        p.add_argument("--redis-username", help="Redis ACL user (overrides the URL's)")
+        p.add_argument(
+            "--redis-password-file",
+            help="file holding the Redis password (a mounted Secret; overrides the URL's; "
+            "or set REDIS_PASSWORD)",
+        )
     export.add_argument("--group", required=True, help="consumer group (one per destination)")
     export.add_argument("--consumer", required=True, help="this exporter's name in the group")
     export.add_argument("--format", choices=("jsonl", "csv"), default="jsonl")
@@ -220,6 +226,24 @@ def _usage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     summary.add_argument("--format", choices=("table", "json"), default="table")
 
 
+def _redis_password(path: str | None) -> str | None:
+    """The password from ``--redis-password-file``, else ``$REDIS_PASSWORD``, else None."""
+    import os
+    from pathlib import Path
+
+    from extproc.usage.ledger import UsageError
+
+    if path is None:
+        return os.environ.get("REDIS_PASSWORD") or None
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"--redis-password-file: cannot read {path}: {exc.strerror}") from exc
+    if not secret:
+        raise UsageError(f"--redis-password-file: {path} is empty")
+    return secret
+
+
 def _usage(args: argparse.Namespace) -> int:
     from dataclasses import asdict
     from pathlib import Path
@@ -233,7 +257,12 @@ def _usage(args: argparse.Namespace) -> int:
     try:
         since_ms, until_ms = time_range(args.since, args.until)
         by = parse_by(args.by) if args.usage_command == "summary" else ()
-        ledger = connect(args.redis_url, args.prefix)
+        ledger = connect(
+            args.redis_url,
+            args.prefix,
+            username=args.redis_username,
+            password=_redis_password(args.redis_password_file),
+        )
         try:
             if args.usage_command == "export":
                 stats = export(

@@ -24,6 +24,7 @@ from prometheus_client.exposition import choose_encoder
 
 from extproc.config import Config
 from extproc.config.reload import DEFAULT_POLL_S, ConfigReloader
+from extproc.quota.base import QuotaMisconfigured
 from extproc.runtime import Runtime
 from extproc.transport.service import ExternalProcessorService
 from extproc.transport.tls import RotatingCredentials
@@ -69,7 +70,11 @@ async def serve(
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    if not await runtime.backend.ping():
+    try:
+        up = await runtime.backend.ping()
+    except QuotaMisconfigured as exc:
+        raise RuntimeError(f"quota backend at {config.normalised['redis_url']}: {exc}") from exc
+    if not up:
         raise RuntimeError(f"quota backend at {config.normalised['redis_url']} does not answer")
 
     loop = asyncio.get_running_loop()
