@@ -562,15 +562,18 @@ class RedisQuotaBackend:
             return status, _settlement(status == "already_settled", summary)
         return status, None
 
+    async def check(self) -> None:
+        """PING, raising why it failed: ``QuotaMisconfigured`` when Redis refuses the
+        credentials or the command (the processor's start says so), else ``QuotaUnavailable``."""
+        if await self._call("ping", self._scripts.execute("PING")) != "PONG":
+            raise QuotaUnavailable("quota ping: Redis did not answer PONG")
+
     async def ping(self) -> bool:
-        """True when Redis answers; a refusal of the credentials or of PING raises
-        ``QuotaMisconfigured`` (the caller says why, instead of "does not answer")."""
         try:
-            return await self._call("ping", self._scripts.execute("PING")) == "PONG"
-        except QuotaMisconfigured:
-            raise
+            await self.check()
         except QuotaUnavailable:
             return False
+        return True
 
     async def close(self) -> None:
         await self._scripts.close()

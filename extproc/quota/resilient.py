@@ -721,6 +721,9 @@ class ResilientQuotaBackend:
     async def ping(self) -> bool:
         return await self.primary.ping()
 
+    async def check(self) -> None:
+        await self.primary.check()
+
     async def close(self) -> None:
         for task in (self._worker, self._prober):
             if task is not None and not task.done():

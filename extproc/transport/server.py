@@ -24,7 +24,7 @@ from prometheus_client.exposition import choose_encoder
 
 from extproc.config import Config
 from extproc.config.reload import DEFAULT_POLL_S, ConfigReloader
-from extproc.quota.base import QuotaMisconfigured
+from extproc.quota.base import QuotaMisconfigured, QuotaUnavailable
 from extproc.runtime import Runtime
 from extproc.transport.service import ExternalProcessorService
 from extproc.transport.tls import RotatingCredentials
@@ -70,12 +70,17 @@ async def serve(
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
+    where = config.normalised["redis_url"]
+    check = getattr(runtime.backend, "check", None)  # Redis backends: says why it failed
     try:
-        up = await runtime.backend.ping()
+        if check is not None:
+            await check()
+        elif not await runtime.backend.ping():
+            raise QuotaUnavailable("no answer")
     except QuotaMisconfigured as exc:
-        raise RuntimeError(f"quota backend at {config.normalised['redis_url']}: {exc}") from exc
-    if not up:
-        raise RuntimeError(f"quota backend at {config.normalised['redis_url']} does not answer")
+        raise RuntimeError(f"quota backend at {where}: {exc}") from exc
+    except QuotaUnavailable as exc:
+        raise RuntimeError(f"quota backend at {where} does not answer") from exc
 
     loop = asyncio.get_running_loop()
     # Before SERVING: a SIGHUP sent once the processor answers is never lost.
