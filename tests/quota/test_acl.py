@@ -40,7 +40,8 @@ ACL_FILE = ROOT / "deploy" / "redis" / "users.acl"
 PASSWORDS = {
     "extproc": "example-extproc-password",
     "ledger-exporter": "example-exporter-password",
-    "admin": "example-admin-password",
+    "default": "example-admin-password",  # the admin: Redis replays the AOF as this user
+    "probe": "any",
 }
 
 
@@ -74,7 +75,7 @@ def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclRedis]:
 
 @pytest.fixture
 def admin(acl_redis: AclRedis) -> Iterator[redis.Redis]:
-    client = acl_redis.client("admin")
+    client = acl_redis.client("default")
     client.flushall()
     client.acl_log_reset()
     try:
@@ -88,12 +89,19 @@ def _refusals(admin: redis.Redis) -> list[tuple[str, str, str]]:
     return [(e["username"], e["reason"], e["object"]) for e in admin.acl_log(count=1000)]
 
 
-def test_the_default_user_can_only_ping(acl_redis: AclRedis, admin: redis.Redis):
+def test_without_a_password_nothing_runs_and_the_probe_user_only_pings(
+    acl_redis: AclRedis, admin: redis.Redis
+):
     anonymous = redis.Redis(port=acl_redis.port, decode_responses=True)
-    assert anonymous.ping() is True  # the readiness probe's redis-cli ping
+    for command in (("PING",), ("GET", "tq:{a}:open"), ("FLUSHALL",)):
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            anonymous.execute_command(*command)
+    probe = acl_redis.client("probe")
+    assert probe.ping() is True  # the readiness probe's redis-cli --user probe ping
     for command in (("GET", "tq:{a}:open"), ("FLUSHALL",), ("CONFIG", "GET", "*")):
         with pytest.raises(redis.exceptions.NoPermissionError):
-            anonymous.execute_command(*command)
+            probe.execute_command(*command)
+    probe.close()
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis(port=acl_redis.port, username="extproc", password="wrong").ping()
 
