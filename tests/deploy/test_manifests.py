@@ -6,83 +6,19 @@ names the peers allowed on each of its ports, behind a default deny."""
 from __future__ import annotations
 
 import copy
-import json
-import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.deploy.conftest import pod_templates
-
-SCHEMAS = Path(__file__).parent / "schemas" / "kubernetes-definitions.json"
-DEFINITIONS: dict[str, Any] = json.loads(SCHEMAS.read_text())["definitions"]
-_QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[KMGTPE]i?|[munkMGTPE])?$")
-
-
-def _definition_of(obj: dict[str, Any]) -> str:
-    group, _, version = obj["apiVersion"].rpartition("/")
-    for name, schema in DEFINITIONS.items():
-        for gvk in schema.get("x-kubernetes-group-version-kind", []):
-            if (gvk["group"], gvk["version"], gvk["kind"]) == (group, version, obj["kind"]):
-                return name
-    raise AssertionError(f"no schema for {obj['apiVersion']} {obj['kind']}")
-
-
-def validate(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
-    """Errors of ``value`` against a Kubernetes OpenAPI v2 schema: ``$ref``, ``type``,
-    ``format`` (int-or-string, quantities), ``properties`` (unknown fields are errors, as
-    with ``kubectl --validate=strict``), ``additionalProperties``, ``items``, ``required``
-    and ``enum`` are what the definitions use."""
-    if "$ref" in schema:
-        name = schema["$ref"].rsplit("/", 1)[1]
-        if name == "io.k8s.apimachinery.pkg.util.intstr.IntOrString":
-            ok = isinstance(value, str | int) and not isinstance(value, bool)
-            return [] if ok else [f"{path}: {value!r} is not an int or a string"]
-        if name == "io.k8s.apimachinery.pkg.api.resource.Quantity":
-            ok = isinstance(value, int | float | str) and bool(_QUANTITY.match(str(value)))
-            return [] if ok else [f"{path}: {value!r} is not a quantity"]
-        return validate(value, DEFINITIONS[name], path)
-    errors: list[str] = []
-    kind = schema.get("type")
-    types = {
-        "object": dict,
-        "array": list,
-        "string": str,
-        "boolean": bool,
-        "integer": int,
-        "number": int | float,
-    }
-    if kind is not None and (
-        not isinstance(value, types[kind]) or (isinstance(value, bool) and kind != "boolean")
-    ):
-        return [f"{path}: expected {kind}, got {type(value).__name__} {value!r}"]
-    if "enum" in schema and value not in schema["enum"]:
-        errors.append(f"{path}: {value!r} not one of {schema['enum']}")
-    if isinstance(value, dict):
-        properties = schema.get("properties")
-        extra = schema.get("additionalProperties")
-        for key, item in value.items():
-            if properties is not None and key in properties:
-                errors += validate(item, properties[key], f"{path}.{key}")
-            elif isinstance(extra, dict):
-                errors += validate(item, extra, f"{path}.{key}")
-            elif properties is not None or extra is False:
-                errors.append(f"{path}.{key}: unknown field")
-        for key in schema.get("required", []):
-            if key not in value:
-                errors.append(f"{path}.{key}: required")
-    if isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            errors += validate(item, schema["items"], f"{path}[{i}]")
-    return errors
+from tests.deploy.conftest import flag, k8s_object, pod_templates
+from tests.deploy.k8s_schema import DEFINITIONS, definition_of, validate
 
 
 def test_every_manifest_validates_against_the_kubernetes_schemas(k8s_objects):
     kinds = set()
     for obj in k8s_objects:
         name = f"{obj['kind']}/{obj['metadata']['name']}"
-        errors = validate(obj, DEFINITIONS[_definition_of(obj)], name)
+        errors = validate(obj, DEFINITIONS[definition_of(obj)], name)
         assert not errors, "\n".join(errors)
         kinds.add(obj["kind"])
     assert {"Deployment", "StatefulSet", "CronJob", "Service", "NetworkPolicy"} <= kinds
@@ -106,9 +42,9 @@ def test_the_validator_rejects_a_broken_manifest(k8s_objects, break_it):
         for o in k8s_objects
         if o["kind"] == "Deployment" and o["metadata"]["name"] == "extproc"
     ]
-    assert validate(deployment, DEFINITIONS[_definition_of(deployment)]) == []
+    assert validate(deployment, DEFINITIONS[definition_of(deployment)]) == []
     break_it(deployment)
-    assert validate(deployment, DEFINITIONS[_definition_of(deployment)])
+    assert validate(deployment, DEFINITIONS[definition_of(deployment)])
 
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -230,3 +166,19 @@ def test_the_coverage_check_sees_an_open_port(k8s_objects):
             obj["spec"]["ingress"].append({"ports": [{"protocol": "TCP", "port": 6379}]})
     with pytest.raises(AssertionError, match="Service redis port 6379"):
         test_every_service_is_covered_by_a_policy_naming_its_peers(opened)
+
+
+def test_redis_persists_to_an_append_only_file_on_a_volume(compose, k8s_objects):
+    """Compose and Kubernetes both run AOF with a one-second fsync, in a directory on a
+    volume (tests/deploy/test_redis_aof.py kills the Kubernetes one under load)."""
+    argv = compose["services"]["redis"]["command"]
+    assert flag(argv, "--appendonly") == "yes" and flag(argv, "--appendfsync") == "everysec"
+    assert flag(argv, "--dir") in compose["services"]["redis"]["volumes"]
+    redis = k8s_object(k8s_objects, "StatefulSet", "redis")
+    (c,) = redis["spec"]["template"]["spec"]["containers"]
+    assert flag(c["args"], "--appendonly") == "yes"
+    assert flag(c["args"], "--appendfsync") == "everysec"
+    (claim,) = redis["spec"]["volumeClaimTemplates"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts[claim["metadata"]["name"]] == flag(c["args"], "--dir")
+    assert flag(c["args"], "--aclfile").startswith(mounts["acl"] + "/")
