@@ -326,3 +326,46 @@ def test_a_processor_with_a_wrong_password_does_not_start_and_says_why(
     assert "refused the processor's credentials" in run.stderr
     assert "WRONGPASS" in run.stderr
     assert "not-the-password" not in run.stderr
+
+
+async def test_the_processor_user_over_rediss_with_the_config_credentials(tmp_path: Path):
+    """TLS to Redis (rediss://, the CA in the URL) with the ACL user and a password file:
+    the configuration's path to Redis, both of the backend's connections."""
+    from extproc.config import parse_config
+    from extproc.quota.factory import backend_from_url
+    from extproc.runtime import redis_credentials
+    from loadlab.redis_server import make_tls_files
+
+    ca, crt, key = make_tls_files(tmp_path / "tls")
+    port = free_port()
+    argv = [REDIS_SERVER, "--bind", "127.0.0.1", "--port", "0", "--tls-port", str(port),
+            "--tls-cert-file", str(crt), "--tls-key-file", str(key),
+            "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no",
+            "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
+            "--aclfile", str(ACL_FILE)]  # fmt: skip
+    server = ManagedProcess(argv, tmp_path / "redis.log")
+    try:
+        server.wait_ready(lambda: accepts_connections(port), timeout_s=15)
+        (tmp_path / "password").write_text(PASSWORDS["extproc"] + "\n")
+        config = parse_config(
+            {
+                "redis_url": f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}",
+                "redis_username": "extproc",
+                "redis_password_file": str(tmp_path / "password"),
+                "models": {"m": {}},
+                "plans": {"p": {"limits": {"*": {"rpm": 1}}}},
+                "tenants": {"t": {"plan": "p", "key_sha256": [key_hash("sk-t")]}},
+            }
+        )
+        assert config.normalised["redis_auth"] == {"username": "extproc", "password": True}
+        backend = backend_from_url(config.redis_url, **redis_credentials(config))
+        tpm = Counter("tpm", counter_key("tls", "tpm", "m", 3600), 1000, 3600)
+        try:
+            await backend.check()  # type: ignore[attr-defined]
+            key = reservation_key("tls", "r1")
+            assert (await backend.admit(AdmitRequest(key, (), (tpm,), 5))).admitted
+            assert (await backend.settle(key, (tpm,), 3)).used == 3
+        finally:
+            await backend.close()
+    finally:
+        server.stop()
