@@ -73,6 +73,21 @@ def main(argv: list[str] | None = None) -> int:
         help="override the config's drain_delay_s: after SIGTERM, seconds of NOT_SERVING "
         "while new streams are still taken (0 when nothing health-checks the processor)",
     )
+    serve.add_argument(
+        "--tls-cert",
+        help="TLS on the gRPC listener: certificate chain file (PEM); with --tls-key, "
+        "overrides the config's tls section; re-read on change (rotation)",
+    )
+    serve.add_argument("--tls-key", help="the --tls-cert certificate's private key (PEM)")
+    serve.add_argument(
+        "--tls-client-ca",
+        help="mutual TLS: clients must present a certificate signed by this CA bundle (PEM)",
+    )
+    serve.add_argument(
+        "--health-listen",
+        help="host:port of a plaintext listener serving only grpc.health.v1 (for probes "
+        "that speak no TLS, like Kubernetes' gRPC probes)",
+    )
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
         "--config-poll-s",
@@ -131,6 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         "drain_delay_s": args.drain_delay_s,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    if args.health_listen is not None:
+        overrides["health_listen"] = args.health_listen
+    if args.tls_cert or args.tls_key or args.tls_client_ca:
+        if not (args.tls_cert and args.tls_key):
+            print("--tls-cert and --tls-key go together", file=sys.stderr)
+            return 2
+        overrides["tls"] = {"cert_file": args.tls_cert, "key_file": args.tls_key}
+        if args.tls_client_ca:
+            overrides["tls"]["client_ca_file"] = args.tls_client_ca
     try:
         config = load_config(args.config, overrides)
     except ConfigError as exc:
@@ -153,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             shared += ["--redis-url", args.redis_url]
         if args.drain_delay_s is not None:
             shared += ["--drain-delay-s", str(args.drain_delay_s)]
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "health_listen"):
+            if getattr(args, name):
+                shared += ["--" + name.replace("_", "-"), getattr(args, name)]
         return supervise(shared, args.workers, config.listen, args.metrics_listen)
     from extproc.transport.server import serve as run_server
 
@@ -178,6 +205,12 @@ def _usage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     for p in (export, summary):
         p.add_argument("--redis-url", required=True)
         p.add_argument("--prefix", default="tq", help="the processors' key_prefix")
+        p.add_argument("--redis-username", help="Redis ACL user (overrides the URL's)")
+        p.add_argument(
+            "--redis-password-file",
+            help="file holding the Redis password (a mounted Secret; overrides the URL's; "
+            "or set REDIS_PASSWORD)",
+        )
     export.add_argument("--group", required=True, help="consumer group (one per destination)")
     export.add_argument("--consumer", required=True, help="this exporter's name in the group")
     export.add_argument("--format", choices=("jsonl", "csv"), default="jsonl")
@@ -193,6 +226,24 @@ def _usage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     summary.add_argument("--format", choices=("table", "json"), default="table")
 
 
+def _redis_password(path: str | None) -> str | None:
+    """The password from ``--redis-password-file``, else ``$REDIS_PASSWORD``, else None."""
+    import os
+    from pathlib import Path
+
+    from extproc.usage.ledger import UsageError
+
+    if path is None:
+        return os.environ.get("REDIS_PASSWORD") or None
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"--redis-password-file: cannot read {path}: {exc.strerror}") from exc
+    if not secret:
+        raise UsageError(f"--redis-password-file: {path} is empty")
+    return secret
+
+
 def _usage(args: argparse.Namespace) -> int:
     from dataclasses import asdict
     from pathlib import Path
@@ -206,7 +257,12 @@ def _usage(args: argparse.Namespace) -> int:
     try:
         since_ms, until_ms = time_range(args.since, args.until)
         by = parse_by(args.by) if args.usage_command == "summary" else ()
-        ledger = connect(args.redis_url, args.prefix)
+        ledger = connect(
+            args.redis_url,
+            args.prefix,
+            username=args.redis_username,
+            password=_redis_password(args.redis_password_file),
+        )
         try:
             if args.usage_command == "export":
                 stats = export(

@@ -136,6 +136,7 @@ class Metrics:
     # model, plan, limit kind, refuse|cut: what a shadow limit would have done
     shadow_violations: _Tally[tuple[str, str, str, str]] = field(default_factory=_Tally)
     backend_errors: _Tally[str] = field(default_factory=_Tally)  # operation
+    quota_config_errors: _Tally[str] = field(default_factory=_Tally)  # auth | permission
     histograms: dict[str, HistogramFamily] = field(default_factory=_histograms)
 
     # Process-wide counters and gauges (names and help in ``_SCALARS``).
@@ -274,6 +275,8 @@ _LABELLED: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
      "Quota calls answered from an earlier call with the same key (idempotency hits)."),
     ("backend_errors", "extproc_quota_backend_errors", ("operation",),
      "Quota calls that raised, per script."),
+    ("quota_config_errors", "extproc_quota_config_errors", ("kind",),
+     "Quota calls Redis refused: credentials (auth) or ACL (permission). Fix the config."),
 )  # fmt: skip
 
 

@@ -45,6 +45,12 @@ def build_registry(config: Config) -> TokenizerRegistry:
     return registry
 
 
+def redis_credentials(config: Config) -> dict[str, str]:
+    """The configured Redis ACL user and password (each overrides the URL's)."""
+    found = {"username": config.redis_username, "password": config.redis_password}
+    return {k: v for k, v in found.items() if v is not None}
+
+
 class Runtime:
     def __init__(self, config: Config, backend: QuotaBackend | None = None) -> None:
         self.config = config
@@ -85,6 +91,7 @@ class Runtime:
                 ),
                 metrics=self.metrics,
                 ledger=config.usage_ledger,
+                **redis_credentials(config),
             )
         )
         self.tracer: Tracer | None = tracer_from_env()

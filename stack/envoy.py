@@ -56,6 +56,53 @@ class ProcessorHealthCheck:
         return self.interval_s * (self.unhealthy_threshold + 1)
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessorTls:
+    """Mutual TLS to the processors (``extproc serve --tls-cert/--tls-key/--tls-client-ca``):
+    Envoy verifies the processor's certificate against ``ca_file`` and its name against
+    ``server_name`` (also sent as SNI), and presents its own client certificate."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+    server_name: str = "extproc"
+
+
+# The quota_extproc cluster's transport_socket, at the cluster's indentation.
+_PROCESSOR_TLS = """\
+    # Mutual TLS to the processors: their certificate must be signed by the CA and name
+    # {server_name}; Envoy presents its own (the processors' --tls-client-ca verifies it).
+    # The files are read when Envoy starts: rotate them with a rolling restart of Envoy.
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        sni: {server_name}
+        common_tls_context:
+          alpn_protocols: [h2]
+          tls_certificates:
+          - certificate_chain: {{filename: {cert_file}}}
+            private_key: {{filename: {key_file}}}
+          validation_context:
+            trusted_ca: {{filename: {ca_file}}}
+            match_typed_subject_alt_names:
+            - san_type: DNS
+              matcher: {{exact: {server_name}}}
+"""
+
+
+def processor_transport_socket(tls: ProcessorTls | None) -> str:
+    """The text ``${PROCESSOR_TRANSPORT_SOCKET}`` stands for: nothing (plaintext) or mTLS."""
+    if tls is None:
+        return ""
+    return _PROCESSOR_TLS.format(
+        server_name=tls.server_name,
+        cert_file=tls.cert_file,
+        key_file=tls.key_file,
+        ca_file=tls.ca_file,
+    )
+
+
 def _duration(seconds: float) -> str:
     return f"{round(seconds, 3):g}s"  # protobuf JSON: seconds with an "s"
 
@@ -66,8 +113,11 @@ def render_bootstrap(
     backend_ports: list[int],
     buffer_limit_bytes: int = (1 << 20) + 65536,
     health_check: ProcessorHealthCheck = ProcessorHealthCheck(),
+    processor_tls: ProcessorTls | None = None,
 ) -> str:
+    """``processor_tls``: mutual TLS to the processors (None: plaintext, the default)."""
     return Template(TEMPLATE.read_text()).substitute(
+        PROCESSOR_TRANSPORT_SOCKET=processor_transport_socket(processor_tls),
         LISTEN_PORT=ports.listen,
         ADMIN_PORT=ports.admin,
         BUFFER_LIMIT_BYTES=buffer_limit_bytes,

@@ -20,6 +20,7 @@ from extproc.config.schema import (
     ConfigError,
     LimitRule,
     LimitSpec,
+    ListenerTls,
     Metric,
     ModelSpec,
     Period,
@@ -55,7 +56,13 @@ _TOP_KEYS = {
     "usage_ledger",
     "ratelimit",
     "ratelimit_file",
+    "redis_username",
+    "redis_password_file",
+    "redis_password_env",
+    "tls",
+    "health_listen",
 }
+_TLS_KEYS = {"cert_file", "key_file", "client_ca_file", "require_client_cert"}
 _LEDGER_KEYS = {"enabled", "max_len", "retention_s"}
 _BREAKER_KEYS = {"failures", "probe_interval_ms"}
 _PLAN_KEYS = {
@@ -167,6 +174,64 @@ def _ledger(doc: Any) -> LedgerSettings:
         retention_s=_int(  # type: ignore[arg-type]
             doc.get("retention_s", default.retention_s), "usage_ledger.retention_s", minimum=0
         ),
+    )
+
+
+def _secret(doc: dict[str, Any], env_key: str, file_key: str) -> str | None:
+    """A secret read at load time from an environment variable or a file (one of them)."""
+    env, file = doc.get(env_key), doc.get(file_key)
+    if env is not None and file is not None:
+        raise ConfigError(env_key, f"set {env_key} or {file_key}, not both")
+    if env is not None:
+        name = _str(env, env_key)
+        secret = os.environ.get(name, "")
+        if not secret:
+            raise ConfigError(env_key, f"environment variable {name} is unset or empty")
+        return secret
+    if file is None:
+        return None
+    where = _str(file, file_key)
+    try:
+        secret = Path(where).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(file_key, f"cannot read {where}: {exc.strerror}") from exc
+    if not secret:
+        raise ConfigError(file_key, f"{where} is empty")
+    if any(c in secret for c in "\r\n\0"):
+        raise ConfigError(file_key, "the secret holds a line break or NUL")
+    return secret
+
+
+def _readable(value: Any, path: str) -> str:
+    where = _str(value, path)
+    try:
+        with open(where, "rb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(path, f"cannot read {where}: {exc.strerror}") from exc
+    return where
+
+
+def _tls(doc: Any) -> ListenerTls | None:
+    if doc is None:
+        return None
+    doc = _mapping(doc, "tls")
+    _known(doc, _TLS_KEYS, "tls")
+    for key in ("cert_file", "key_file"):
+        if key not in doc:
+            raise ConfigError(f"tls.{key}", "required when tls is set")
+    ca = doc.get("client_ca_file")
+    client_ca = None if ca is None else _readable(ca, "tls.client_ca_file")
+    require = _bool(
+        doc.get("require_client_cert", client_ca is not None), "tls.require_client_cert"
+    )
+    if require and client_ca is None:
+        raise ConfigError("tls.require_client_cert", "needs tls.client_ca_file to verify against")
+    return ListenerTls(
+        cert_file=_readable(doc["cert_file"], "tls.cert_file"),
+        key_file=_readable(doc["key_file"], "tls.key_file"),
+        client_ca_file=client_ca,
+        require_client_cert=require,
     )
 
 
@@ -571,6 +636,14 @@ def parse_config(doc: Any, base_dir: Path | None = None) -> Config:
         heartbeat_ttl_s=_seconds(doc.get("heartbeat_ttl_s", 30), "heartbeat_ttl_s", 1, 3600),
         orphan_sweep_s=_seconds(doc.get("orphan_sweep_s", 10), "orphan_sweep_s", 0.1, 3600),
         usage_ledger=_ledger(doc.get("usage_ledger")),
+        redis_username=None
+        if doc.get("redis_username") is None
+        else _str(doc["redis_username"], "redis_username"),
+        redis_password=_secret(doc, "redis_password_env", "redis_password_file"),
+        tls=_tls(doc.get("tls")),
+        health_listen=None
+        if doc.get("health_listen") is None
+        else _str(doc["health_listen"], "health_listen"),
         model_index=index,
     )
     normalised = _normalise(config)
@@ -583,7 +656,7 @@ def parse_config(doc: Any, base_dir: Path | None = None) -> Config:
 
 
 # Normal-form fields that differ between replicas of one deployment: not in the hash.
-PER_REPLICA_FIELDS = frozenset({"listen"})
+PER_REPLICA_FIELDS = frozenset({"listen", "health_listen"})
 
 
 def _normalise(config: Config) -> dict[str, Any]:
@@ -628,6 +701,20 @@ def _normalise(config: Config) -> dict[str, Any]:
         "settle_queue_max": config.settle_queue_max,
         "heartbeat_ttl_s": config.heartbeat_ttl_s,
         "orphan_sweep_s": config.orphan_sweep_s,
+        # Only whether a password is set: it never reaches logs or hashes.
+        "redis_auth": {
+            "username": config.redis_username,
+            "password": config.redis_password is not None,
+        },
+        "tls": None
+        if config.tls is None
+        else {
+            "cert_file": config.tls.cert_file,
+            "key_file": config.tls.key_file,
+            "client_ca_file": config.tls.client_ca_file,
+            "require_client_cert": config.tls.require_client_cert,
+        },
+        "health_listen": config.health_listen,
         "usage_ledger": {
             "enabled": config.usage_ledger.enabled,
             "max_len": config.usage_ledger.max_len,

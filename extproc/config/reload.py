@@ -45,6 +45,9 @@ RESTART_FIELDS = (
     "settle_queue_max",
     "heartbeat_ttl_s",
     "orphan_sweep_s",
+    "redis_auth",
+    "tls",
+    "health_listen",
 )
 DEFAULT_POLL_S = 2.0
 
@@ -59,6 +62,8 @@ def needs_restart(old: Config, new: Config) -> list[str]:
     # The normal form hides the password: a new one is a new connection too.
     if "redis_url" not in changed and old.redis_url != new.redis_url:
         changed.insert(1, "redis_url")
+    if "redis_auth" not in changed and old.redis_password != new.redis_password:
+        changed.append("redis_auth")
     return changed
 
 

@@ -124,6 +124,19 @@ class CircuitBreakerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ListenerTls:
+    """TLS on the gRPC listener. With ``client_ca_file`` client certificates are verified
+    against that CA bundle; ``require_client_cert`` refuses a client without one (mutual
+    TLS). The files are read again on every new connection when they changed, so a
+    rotated certificate is served without a restart."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+    require_client_cert: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     listen: str
     redis_url: str
@@ -152,6 +165,14 @@ class Config:
     orphan_sweep_s: float = 10.0
     # The per-tenant usage ledger (a Redis Stream each) and its bounds.
     usage_ledger: LedgerSettings = field(default_factory=LedgerSettings)
+    # Redis ACL user and password (from ``redis_password_file`` or ``redis_password_env``);
+    # each overrides what the URL carries. The password is never in the normal form.
+    redis_username: str | None = None
+    redis_password: str | None = field(default=None, repr=False, compare=False)
+    tls: ListenerTls | None = None
+    # A second, plaintext listener serving only grpc.health.v1 (Kubernetes' gRPC probes
+    # speak no TLS); None: health is served on ``listen`` only.
+    health_listen: str | None = None
     # Every model name and alias -> its quota model, built once by the loader.
     model_index: dict[str, ModelSpec] = field(repr=False, default_factory=dict)
     # Normalised document and its sha256: logged at start so diverging replicas show.

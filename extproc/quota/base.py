@@ -150,6 +150,15 @@ class QuotaUnavailable(Exception):
     """
 
 
+class QuotaMisconfigured(QuotaUnavailable):
+    """Redis refused this processor's credentials (WRONGPASS, NOAUTH) or a command or key
+    (NOPERM, an ACL): a configuration error no retry fixes. Requests fail closed."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # "auth" or "permission": the metric's label
+
+
 class QuotaTimeout(QuotaUnavailable):
     """The backend did not answer within the per-call deadline (``command_timeout_s``)."""
 

@@ -45,8 +45,8 @@ from typing import Any, Literal, TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.quota import windows
@@ -58,6 +58,7 @@ from extproc.quota.base import (
     CounterState,
     Grant,
     LedgerSettings,
+    QuotaMisconfigured,
     QuotaTimeout,
     QuotaUnavailable,
     Settlement,
@@ -92,6 +93,31 @@ def _tenant(reservation_key: str) -> str:
     if not sep:
         raise ValueError(f"not a reservation key: {reservation_key!r}")
     return tag
+
+
+# What Redis 7 answers when a script's own call is refused by the ACL (an ERR, not NOPERM).
+_SCRIPT_ACL_REFUSAL = "The user executing the script can't"
+
+
+def misconfiguration(operation: str, exc: BaseException) -> QuotaMisconfigured | None:
+    """The configuration error ``exc`` is, if it is one: credentials refused (WRONGPASS,
+    NOAUTH) or a command or key outside the user's ACL (NOPERM, or in a script its ERR)."""
+    if isinstance(exc, AuthenticationError):
+        return QuotaMisconfigured(
+            f"Redis refused the processor's credentials (the redis_url user and password, "
+            f"redis_username, redis_password_file/_env): {exc}",
+            "auth",
+        )
+    if isinstance(exc, NoPermissionError) or (
+        isinstance(exc, ResponseError)
+        and (str(exc).startswith("NOPERM") or _SCRIPT_ACL_REFUSAL in str(exc))
+    ):
+        return QuotaMisconfigured(
+            f"Redis's ACL refused quota {operation}: the processor's user needs the commands "
+            f"and keys of deploy/redis/users.acl under its key_prefix ({exc})",
+            "permission",
+        )
+    return None
 
 
 class WrongWindow(QuotaUnavailable):
@@ -307,6 +333,9 @@ class RedisQuotaBackend:
         except RedisTimeoutError as exc:  # socket_timeout / connect timeout
             raise QuotaTimeout(f"quota {operation} timed out: {exc}") from exc
         except (RedisError, OSError) as exc:
+            refused = misconfiguration(operation, exc)
+            if refused is not None:
+                raise refused from exc
             raise QuotaUnavailable(f"quota {operation} failed: {exc}") from exc
 
     def server_now_s(self) -> int:
@@ -533,11 +562,18 @@ class RedisQuotaBackend:
             return status, _settlement(status == "already_settled", summary)
         return status, None
 
+    async def check(self) -> None:
+        """PING, raising why it failed: ``QuotaMisconfigured`` when Redis refuses the
+        credentials or the command (the processor's start says so), else ``QuotaUnavailable``."""
+        if await self._call("ping", self._scripts.execute("PING")) != "PONG":
+            raise QuotaUnavailable("quota ping: Redis did not answer PONG")
+
     async def ping(self) -> bool:
         try:
-            return await self._call("ping", self._scripts.execute("PING")) == "PONG"
+            await self.check()
         except QuotaUnavailable:
             return False
+        return True
 
     async def close(self) -> None:
         await self._scripts.close()

@@ -67,6 +67,7 @@ from extproc.quota.base import (
     Counter,
     Grant,
     LedgerSettings,
+    QuotaMisconfigured,
     QuotaUnavailable,
     Settlement,
     SettleReason,
@@ -90,6 +91,8 @@ DRAIN_BATCH = 32  # queued calls applied concurrently
 MAX_OP_ATTEMPTS = 100  # failed tries (breaker closed) before a queued call is given up
 UNSENT_MAX = 100_000  # remembered keys whose admission never reached Redis
 SWEEP_INTERVAL_S = 60.0
+# A configuration error (ACL, credentials) is logged once per this many seconds per message.
+CONFIG_ERROR_LOG_S = 60.0
 
 OpKind = Literal["settle", "cancel", "absorb"]
 
@@ -200,6 +203,7 @@ class ResilientQuotaBackend:
         self._prober: asyncio.Task[None] | None = None
         self._worker: asyncio.Task[None] | None = None
         self._next_sweep = 0.0
+        self._config_error_logged: dict[str, float] = {}
 
     @property
     def breaker_open(self) -> bool:
@@ -219,11 +223,25 @@ class ResilientQuotaBackend:
         self.metrics.quota_backend_calls_total += 1
         try:
             result = await call()
+        except QuotaMisconfigured as exc:
+            # Redis answered, and refused: not an outage, so the breaker is left alone (a
+            # probe's PING would pass and close it again, round and round). Each call
+            # fails closed after its one round trip; one log line says what to fix.
+            self._misconfigured(exc)
+            raise
         except QuotaUnavailable:
             self._failed()
             raise
         self._consecutive = 0
         return result
+
+    def _misconfigured(self, exc: QuotaMisconfigured) -> None:
+        self.metrics.quota_config_errors[exc.kind] += 1
+        message = str(exc)
+        now = time.monotonic()
+        if now - self._config_error_logged.get(message, -CONFIG_ERROR_LOG_S) >= CONFIG_ERROR_LOG_S:
+            self._config_error_logged[message] = now
+            log.error("quota_backend_misconfigured", kind=exc.kind, error=message)
 
     def _failed(self) -> None:
         self.metrics.quota_backend_failures_total += 1
@@ -266,6 +284,8 @@ class ResilientQuotaBackend:
         key = request.reservation_key
         try:
             verdict = await self._guarded(lambda: self.primary.admit(request))
+        except QuotaMisconfigured:
+            raise  # fail closed even on an open plan: no allowance hides a broken ACL
         except CircuitOpen:
             if not request.fail_open:
                 self._remember_unsent(key)
@@ -343,8 +363,8 @@ class ResilientQuotaBackend:
             grant = await self._guarded(
                 lambda: self.primary.reserve(reservation_key, seq, token_counters, amount, minimum)
             )
-        except QuotaUnavailable:
-            if tracked is None:
+        except QuotaUnavailable as exc:
+            if tracked is None or isinstance(exc, QuotaMisconfigured):
                 raise
             return await self._reserve_locally(
                 tracked, reservation_key, seq, token_counters, amount, minimum
@@ -700,6 +720,9 @@ class ResilientQuotaBackend:
 
     async def ping(self) -> bool:
         return await self.primary.ping()
+
+    async def check(self) -> None:
+        await self.primary.check()
 
     async def close(self) -> None:
         for task in (self._worker, self._prober):

@@ -196,7 +196,8 @@ class RespConnection:
         parts = parse_url(url)
         context = None
         if url.startswith("rediss://"):
-            context = ssl.create_default_context(cafile=ssl_ca_certs)
+            # The URL's ?ssl_ca_certs= as redis-py's pool reads it (a private CA).
+            context = ssl.create_default_context(cafile=ssl_ca_certs or parts.get("ssl_ca_certs"))
             reqs = str(ssl_cert_reqs or parts.get("ssl_cert_reqs") or "required").lower()
             context.check_hostname = (
                 ssl_check_hostname if ssl_check_hostname is not None else reqs == "required"

@@ -24,8 +24,10 @@ from prometheus_client.exposition import choose_encoder
 
 from extproc.config import Config
 from extproc.config.reload import DEFAULT_POLL_S, ConfigReloader
+from extproc.quota.base import QuotaMisconfigured, QuotaUnavailable
 from extproc.runtime import Runtime
 from extproc.transport.service import ExternalProcessorService
+from extproc.transport.tls import RotatingCredentials
 
 log = structlog.get_logger("extproc.server")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -68,8 +70,17 @@ async def serve(
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    if not await runtime.backend.ping():
-        raise RuntimeError(f"quota backend at {config.normalised['redis_url']} does not answer")
+    where = config.normalised["redis_url"]
+    check = getattr(runtime.backend, "check", None)  # Redis backends: says why it failed
+    try:
+        if check is not None:
+            await check()
+        elif not await runtime.backend.ping():
+            raise QuotaUnavailable("no answer")
+    except QuotaMisconfigured as exc:
+        raise RuntimeError(f"quota backend at {where}: {exc}") from exc
+    except QuotaUnavailable as exc:
+        raise RuntimeError(f"quota backend at {where} does not answer") from exc
 
     loop = asyncio.get_running_loop()
     # Before SERVING: a SIGHUP sent once the processor answers is never lost.
@@ -90,9 +101,24 @@ async def serve(
     pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(config.listen)
+    if config.tls is None:
+        port = server.add_insecure_port(config.listen)
+    else:
+        try:
+            credentials = RotatingCredentials(config.tls).credentials()
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"tls: {exc}") from exc
+        port = server.add_secure_port(config.listen, credentials)
     if port == 0:
         raise RuntimeError(f"cannot listen on {config.listen}")
+    # Plaintext, health only: for probes that speak no TLS (Kubernetes' gRPC probes).
+    health_server = None
+    if config.health_listen is not None:
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        if health_server.add_insecure_port(config.health_listen) == 0:
+            raise RuntimeError(f"cannot listen on {config.health_listen}")
+        await health_server.start()
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -101,6 +127,9 @@ async def serve(
         "serving",
         listen=config.listen,
         port=port,
+        tls=config.tls is not None,
+        client_cert_required=config.tls is not None and config.tls.require_client_cert,
+        health_listen=config.health_listen,
         config_hash=runtime.config.hash,
         backend=config.normalised["redis_url"],
         metrics=metrics_listen,
@@ -137,6 +166,8 @@ async def serve(
     await runtime.drain(timeout_s=END_WAIT_S)
     await server.stop(None)
     await stopping
+    if health_server is not None:
+        await health_server.stop(None)
     await runtime.drain(timeout_s=END_WAIT_S)
     if metrics_runner is not None:
         await metrics_runner.cleanup()

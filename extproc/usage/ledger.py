@@ -62,14 +62,23 @@ def _glob_escape(text: str) -> str:
     return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
 
 
-def connect(url: str, prefix: str = DEFAULT_PREFIX) -> Ledger:
-    """A client for ``url``; on a cluster, one scanner per primary."""
+def connect(
+    url: str,
+    prefix: str = DEFAULT_PREFIX,
+    *,
+    username: str | None = None,
+    password: str | None = None,
+) -> Ledger:
+    """A client for ``url``; on a cluster, one scanner per primary. ``username`` and
+    ``password`` override the URL's (an ACL user such as deploy/redis/users.acl's
+    read-only ``ledger-exporter``)."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise UsageError(f"not a Redis URL (redis://, rediss://, unix://): {url!r}")
     if not prefix or any(c in prefix for c in "{}"):
         raise UsageError(f"key prefix must be non-empty and brace-free, got {prefix!r}")
+    auth = {k: v for k, v in (("username", username), ("password", password)) if v is not None}
     try:
-        client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5)
+        client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5, **auth)
         cluster = client.info("cluster").get("cluster_enabled") == 1
     except ValueError as exc:
         raise UsageError(f"bad Redis URL {url!r}: {exc}") from exc
@@ -79,7 +88,7 @@ def connect(url: str, prefix: str = DEFAULT_PREFIX) -> Ledger:
         return Ledger(client, (client,), prefix)
     client.close()
     try:
-        rc = RedisCluster.from_url(url, decode_responses=True)
+        rc = RedisCluster.from_url(url, decode_responses=True, **auth)
         primaries = tuple(rc.get_redis_connection(node) for node in rc.get_primaries())
     except redis.RedisError as exc:
         raise UsageError(f"cannot reach the Redis cluster at {url}: {exc}") from exc

@@ -50,12 +50,28 @@ def k8s_object(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str,
     return found[0]
 
 
-def containers(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(Deployment name, container) of every container in the manifests."""
+def k8s_object_any(objects: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The one workload (Deployment, StatefulSet, CronJob) called ``name``."""
+    kinds = ("Deployment", "StatefulSet", "CronJob")
+    found = [o for o in objects if o["kind"] in kinds and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{name}: {len(found)} workloads"
+    return found[0]
+
+
+def pod_templates(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(workload name, pod template) of every Deployment, StatefulSet and CronJob."""
     for obj in objects:
-        if obj["kind"] == "Deployment":
-            for container in obj["spec"]["template"]["spec"]["containers"]:
-                yield obj["metadata"]["name"], container
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            yield obj["metadata"]["name"], obj["spec"]["template"]
+        elif obj["kind"] == "CronJob":
+            yield obj["metadata"]["name"], obj["spec"]["jobTemplate"]["spec"]["template"]
+
+
+def containers(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(workload name, container) of every container in the manifests."""
+    for name, template in pod_templates(objects):
+        for container in template["spec"]["containers"]:
+            yield name, container
 
 
 def container(objects: list[dict[str, Any]], deployment: str) -> dict[str, Any]:

@@ -24,7 +24,9 @@ from tests.deploy.conftest import (
     containers,
     flag,
     k8s_object,
+    k8s_object_any,
     load_yaml,
+    pod_templates,
     port_of,
 )
 
@@ -100,6 +102,8 @@ def test_images_are_the_versions_the_tests_run(compose, k8s_objects):
 def test_every_file_compose_mounts_or_builds_exists(compose):
     for name, service in compose["services"].items():
         for volume in service.get("volumes", []):
+            if ":" not in volume:
+                continue  # an anonymous volume (redis's data): nothing to find here
             source = volume.split(":")[0]
             assert (DEPLOY / source).exists(), f"{name}: {source}"
         if "build" in service:
@@ -128,13 +132,28 @@ def test_every_file_and_name_the_kustomization_refers_to_exists(kustomization, k
         for o in k8s_objects
         if o["kind"] == "Secret"
     }
-    for deployment, c in containers(k8s_objects):
-        pod = k8s_object(k8s_objects, "Deployment", deployment)["spec"]["template"]["spec"]
+    generated_secrets = {g["name"] for g in kustomization.get("secretGenerator", [])}
+    for gen in kustomization.get("secretGenerator", []):
+        for entry in gen["files"]:
+            assert (DEPLOY / entry.split("=", 1)[1]).is_file(), entry
+    claims = {o["metadata"]["name"] for o in k8s_objects if o["kind"] == "PersistentVolumeClaim"}
+    templates = dict(pod_templates(k8s_objects))
+    for workload, c in containers(k8s_objects):
+        pod = templates[workload]["spec"]
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for claim in (
+            k8s_object_any(k8s_objects, workload).get("spec", {}).get("volumeClaimTemplates", [])
+        ):
+            volumes[claim["metadata"]["name"]] = {"persistentVolumeClaim": "template"}
         for mount in c.get("volumeMounts", []):
             volume = volumes[mount["name"]]
             if "configMap" in volume:
-                assert volume["configMap"]["name"] in generated, deployment
+                assert volume["configMap"]["name"] in generated, workload
+            if "secret" in volume:
+                name = volume["secret"]["secretName"]
+                assert name in secrets or name in generated_secrets, workload
+            if isinstance(volume.get("persistentVolumeClaim"), dict):
+                assert volume["persistentVolumeClaim"]["claimName"] in claims, workload
         for env in c.get("env", []):
             ref = env["valueFrom"]["secretKeyRef"]
             assert ref["key"] in secrets[ref["name"]], env
@@ -143,11 +162,10 @@ def test_every_file_and_name_the_kustomization_refers_to_exists(kustomization, k
             selector = obj["spec"]["selector"]
             selector = selector.get("matchLabels", selector)
             matched = [
-                o for o in k8s_objects
-                if o["kind"] == "Deployment"
-                and selector.items() <= o["spec"]["template"]["metadata"]["labels"].items()
+                name for name, template in templates.items()
+                if selector.items() <= template["metadata"]["labels"].items()
             ]  # fmt: skip
-            assert matched, f"{obj['kind']}/{obj['metadata']['name']} selects no Deployment"
+            assert matched, f"{obj['kind']}/{obj['metadata']['name']} selects no workload"
 
 
 def test_processor_ports_match_the_bootstrap_and_its_config(bootstrap, compose, k8s_objects):

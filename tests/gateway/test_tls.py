@@ -1,0 +1,265 @@
+"""Mutual TLS between Envoy and the processor, through the real Envoy binary.
+
+Certificates are made here with the ``openssl`` CLI: CA 1 signs the processor's certificate
+(SAN ``extproc``) and Envoy's client certificate; CA 2 signs a rogue client's. The processor
+serves ``tls`` from files in a directory a test can rotate the way a Kubernetes Secret
+update does (a ``..data`` symlink swapped atomically)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from stack.envoy import EnvoyPorts, ProcessorHealthCheck, ProcessorTls, render_bootstrap
+from tests.deploy.certs import make_ca, make_leaf, serial_of
+from tests.gateway.conftest import processor_config, tenant_key
+from tests.support.gateway import ROOT, Envoy, wait_until, write_config
+from tests.support.procs import ManagedProcess, free_port
+from tests.support.redis_server import RedisServer
+from tests.support.simulator import Simulator
+
+pytestmark = pytest.mark.slow
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+NAME = "extproc"  # the name Envoy checks in the processor's certificate
+
+
+@dataclass
+class Certs:
+    ca: Path
+    server: tuple[Path, Path]
+    rotated: tuple[Path, Path]  # a later certificate of the same name, same CA
+    client: tuple[Path, Path]
+    rogue: tuple[Path, Path]  # signed by another CA
+    rogue_ca: Path
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    d = tmp_path_factory.mktemp("certs")
+    ca = make_ca(d, "ca")
+    other = make_ca(d, "other-ca")
+    return Certs(
+        ca=ca[0],
+        server=make_leaf(d, ca, "server", f"DNS:{NAME},IP:127.0.0.1"),
+        rotated=make_leaf(d, ca, "server-rotated", f"DNS:{NAME},IP:127.0.0.1"),
+        client=make_leaf(d, ca, "envoy", "DNS:envoy"),
+        rogue=make_leaf(d, other, "rogue", "DNS:envoy"),
+        rogue_ca=other[0],
+    )
+
+
+class MountedSecret:
+    """Files under ``dir/tls.crt`` etc. through a ``..data`` symlink, as the kubelet mounts
+    a Secret; ``swap`` replaces the whole set in one rename."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        directory.mkdir()
+        self.generation = 0
+        for name in ("tls.crt", "tls.key", "ca.crt"):
+            (directory / name).symlink_to(f"..data/{name}")
+
+    def swap(self, cert: Path, key: Path, ca: Path) -> None:
+        self.generation += 1
+        target = self.dir / f"..gen{self.generation}"
+        target.mkdir()
+        for name, source in (("tls.crt", cert), ("tls.key", key), ("ca.crt", ca)):
+            (target / name).write_bytes(source.read_bytes())
+        link = self.dir / "..data_tmp"
+        link.symlink_to(target.name)
+        os.replace(link, self.dir / "..data")
+
+    def path(self, name: str) -> str:
+        return str(self.dir / name)
+
+
+def tls_channel(port: int, ca: Path, client: tuple[Path, Path] | None) -> grpc.Channel:
+    creds = grpc.ssl_channel_credentials(
+        ca.read_bytes(),
+        client[1].read_bytes() if client else None,
+        client[0].read_bytes() if client else None,
+    )
+    return grpc.secure_channel(
+        f"127.0.0.1:{port}", creds, options=[("grpc.ssl_target_name_override", NAME)]
+    )
+
+
+def health(channel: grpc.Channel) -> int | str:
+    """The processor's health answer, or the gRPC status code name of the failure."""
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE), timeout=5
+        )
+        return reply.status
+    except grpc.RpcError as exc:
+        return exc.code().name
+
+
+def served_serial(port: int, ca: Path, client: tuple[Path, Path]) -> int:
+    """The serial of the certificate the processor presents on a new TLS connection."""
+    context = ssl.create_default_context(cafile=str(ca))
+    context.load_cert_chain(str(client[0]), str(client[1]))
+    context.set_alpn_protocols(["h2"])
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        context.wrap_socket(raw, server_hostname=NAME) as conn,
+    ):
+        cert = conn.getpeercert()
+    assert cert is not None
+    return int(cert["serialNumber"], 16)
+
+
+@dataclass
+class TlsGateway:
+    envoy: Envoy
+    processor: ManagedProcess
+    port: int
+    health_port: int
+    secret: MountedSecret
+    redis: redis.Redis
+
+
+TENANT = "tls"
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory,
+    certs: Certs,
+    redis_server: RedisServer,
+    simulators: list[Simulator],
+) -> Iterator[TlsGateway]:
+    d = tmp_path_factory.mktemp("tls-gateway")
+    secret = MountedSecret(d / "secret")
+    secret.swap(*certs.server, certs.ca)
+    port, health_port = free_port(), free_port()
+    config = write_config(
+        d / "quota.yaml",
+        processor_config(
+            {TENANT: {"limits": {"*": {"rpm": 1000, "tpm": 1_000_000}}, "window_s": 3600}},
+            redis_url=redis_server.url,
+            tls={
+                "cert_file": secret.path("tls.crt"),
+                "key_file": secret.path("tls.key"),
+                "client_ca_file": secret.path("ca.crt"),
+            },
+            health_listen=f"127.0.0.1:{health_port}",
+        ),
+    )
+    argv = [sys.executable, "-m", "extproc", "serve", "--config", str(config),
+            "--listen", f"127.0.0.1:{port}", "--drain-delay-s", "0"]  # fmt: skip
+    processor = ManagedProcess(argv, d / "extproc.log", cwd=ROOT)
+    started: list = [processor]
+    client = redis.Redis(port=redis_server.port, decode_responses=True)
+    try:
+        with tls_channel(port, certs.ca, certs.client) as channel:
+            processor.wait_ready(lambda: health(channel) == 1, timeout_s=30)
+        ports = EnvoyPorts(listen=free_port(), admin=free_port())
+        bootstrap = d / "envoy.yaml"
+        bootstrap.write_text(
+            render_bootstrap(
+                ports,
+                [port],
+                [simulators[0].port],
+                health_check=ProcessorHealthCheck(),
+                processor_tls=ProcessorTls(
+                    ca_file=str(certs.ca),
+                    cert_file=str(certs.client[0]),
+                    key_file=str(certs.client[1]),
+                    server_name=NAME,
+                ),
+            )
+        )
+        envoy = Envoy.launch(bootstrap, ports, d / "envoy.log")
+        started.append(envoy)
+        # Envoy's gRPC health check goes over the same mutual TLS.
+        assert wait_until(lambda: envoy.processor_health(port) == "healthy", 30)
+        yield TlsGateway(envoy, processor, port, health_port, secret, client)
+    finally:
+        client.close()
+        for part in reversed(started):
+            part.stop()
+
+
+def _stream(gateway: TlsGateway) -> tuple[int, int]:
+    """One streamed request through Envoy: (events with text, completion tokens shown)."""
+    client = openai.OpenAI(
+        base_url=f"{gateway.envoy.base_url}/v1", api_key=tenant_key(TENANT), max_retries=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="gpt-4.1",
+            messages=[{"role": "user", "content": "hello over mutual TLS"}],
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    pieces = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert chunks[-1].usage is not None
+    return len(pieces), chunks[-1].usage.completion_tokens
+
+
+def _ledger(gateway: TlsGateway) -> list[dict[str, str]]:
+    return [fields for _, fields in gateway.redis.xrange(f"tq:{{{TENANT}}}:usage")]
+
+
+def test_a_streamed_request_is_metered_over_mutual_tls(gateway: TlsGateway):
+    before = len(_ledger(gateway))
+    events, completion = _stream(gateway)
+    assert events == completion >= 1
+    # Settled and billed: one ledger entry for exactly what was streamed.
+    assert wait_until(lambda: len(_ledger(gateway)) == before + 1, 10)
+    entry = _ledger(gateway)[-1]
+    assert int(entry["output_tokens"]) == completion
+    assert entry["reason"] == "completed"
+    stats = gateway.envoy.stats()
+    assert stats["cluster.quota_extproc.ssl.handshake"] >= 1
+    assert stats.get("cluster.quota_extproc.ssl.connection_error", 0) == 0
+
+
+def test_a_client_without_a_valid_certificate_is_refused(gateway: TlsGateway, certs: Certs):
+    with tls_channel(gateway.port, certs.ca, certs.client) as ok:
+        assert health(ok) == health_pb2.HealthCheckResponse.SERVING  # the control
+    with tls_channel(gateway.port, certs.ca, None) as no_cert:
+        assert health(no_cert) == "UNAVAILABLE"
+    with tls_channel(gateway.port, certs.ca, certs.rogue) as other_ca:
+        assert health(other_ca) == "UNAVAILABLE"
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as plain:
+        assert health(plain) == "UNAVAILABLE"
+    # The health-only listener is plaintext for probes, and serves nothing else.
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.health_port}") as probe:
+        assert health(probe) == health_pb2.HealthCheckResponse.SERVING
+        process = probe.unary_unary(f"/{SERVICE}/Process")
+        with pytest.raises(grpc.RpcError) as refused:
+            process(b"", timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_rotated_certificates_are_served_without_a_restart(gateway: TlsGateway, certs: Certs):
+    assert served_serial(gateway.port, certs.ca, certs.client) == serial_of(certs.server[0])
+    pid = gateway.processor.pid
+    gateway.secret.swap(*certs.rotated, certs.ca)
+    # The next handshake sees the new files (gRPC asks before each one).
+    assert served_serial(gateway.port, certs.ca, certs.client) == serial_of(certs.rotated[0])
+    assert gateway.processor.pid == pid and gateway.processor.proc.poll() is None
+    assert "tls_certificates_reloaded" in gateway.processor.log_text()
+    # Envoy's new connections get the rotated certificate; streams go on being billed.
+    events, completion = _stream(gateway)
+    assert events == completion >= 1
+    # A rotation to a key that does not match its certificate is refused; the served one stays.
+    gateway.secret.swap(certs.server[0], certs.rotated[1], certs.ca)
+    assert served_serial(gateway.port, certs.ca, certs.client) == serial_of(certs.rotated[0])
+    assert "tls_rotation_refused" in gateway.processor.log_text()
+    gateway.secret.swap(*certs.rotated, certs.ca)
