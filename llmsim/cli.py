@@ -29,7 +29,7 @@ from llmsim.settings import (
 
 log = logging.getLogger("llmsim")
 _LIST_KEYS = {"served-model-name", "failure-types"}
-_BOOL_KEYS = {"enable-request-id-headers"}
+_BOOL_KEYS = {"enable-request-id-headers", "force-dummy-tokenizer"}
 
 
 def _parser() -> argparse.ArgumentParser:
