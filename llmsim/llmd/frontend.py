@@ -176,6 +176,20 @@ class LlmdFrontend:
         return None
 
     async def _handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        # A request read is a request served, whether or not its client is still there.
+        admission = asyncio.ensure_future(self._admit(request, kind))
+        admitted = await asyncio.shield(admission)
+        if isinstance(admitted, web.Response):
+            return admitted
+        req, choices, out, headers = admitted
+        if req.stream:
+            return await self._stream(request, req, choices, out, headers)
+        return await self._complete(req, choices, out, headers)
+
+    async def _admit(
+        self, request: web.Request, kind: Kind
+    ) -> web.Response | tuple[ParsedRequest, int, asyncio.Queue[Item], dict[str, str]]:
+        """An error answer, or the request with its sub-requests queued for slots."""
         started = time.monotonic()
         cfg = self.rank.holder.current
         try:
@@ -192,9 +206,7 @@ class LlmdFrontend:
         out: asyncio.Queue[Item] = asyncio.Queue()
         subs = _split(req, request_id)
         self._start(cfg, req, subs, out, started)
-        if req.stream:
-            return await self._stream(request, req, len(subs), out, headers)
-        return await self._complete(req, len(subs), out, headers)
+        return req, len(subs), out, headers
 
     def _start(
         self,

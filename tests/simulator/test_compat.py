@@ -205,6 +205,17 @@ async def test_request_id_header_names_the_answer(busy_sim: Simulator):
     text = {"model": "gpt-4.1", "prompt": "x", "max_tokens": 2}
     _, got, answer = await _post(busy_sim, "/v1/completions", text, headers=headers)
     assert (got["X-Request-Id"], answer["id"]) == ("client-chosen", "cmpl-client-chosen-0")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            busy_sim.url("/v1/chat/completions"),
+            json={**CHAT, "stream": True, "max_tokens": 2},
+            headers={"X-Request-Id": "streamed-one"},
+        ) as resp,
+    ):
+        assert resp.headers["X-Request-Id"] == "streamed-one"
+        chunks = [orjson.loads(d) for d in parse_sse(await resp.read())[:-1]]
+    assert {c["id"] for c in chunks} == {"chatcmpl-streamed-one"}
 
 
 async def test_without_request_id_headers_none_is_sent(sim: Simulator):
@@ -316,11 +327,11 @@ async def test_fifteen_percent_of_answers_are_exactly_max_tokens_and_say_length(
 
 
 async def test_ignore_eos_without_a_token_limit_is_a_400(sim: Simulator):
-    status, _, body = await _post(sim, "/v1/chat/completions", {**CHAT, "ignore_eos": True})
-    assert status == 400
-    assert body["error"]["message"] == (
-        "Ignore_eos is true but max_completion_tokens (or max_tokens) is not set"
-    )
+    message = "Ignore_eos is true but max_completion_tokens (or max_tokens) is not set"
+    for stream in (False, True):
+        body = {**CHAT, "ignore_eos": True, "stream": stream}
+        status, _, answer = await _post(sim, "/v1/chat/completions", body)
+        assert (status, answer["error"]["message"]) == (400, message)
     answer = await _chat(sim, ignore_eos=True, max_completion_tokens=17)
     assert answer["usage"]["completion_tokens"] == 17
     assert answer["choices"][0]["finish_reason"] == "length"
@@ -349,6 +360,19 @@ async def test_validation_errors_are_the_real_ones(sim: Simulator):
 # --- disconnects ----------------------------------------------------------------------------
 
 
+async def _send_and_leave(session: aiohttp.ClientSession, sim: Simulator, body: dict) -> None:
+    """Send a request and close the connection once it runs, before any answer."""
+    raw = orjson.dumps(body)
+    _, writer = await asyncio.open_connection("127.0.0.1", sim.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(raw) + raw
+    )
+    await writer.drain()
+    await wait_for_metric(session, sim, "vllm:num_requests_running", lambda v: v == 1, **MODEL)
+    writer.close()
+
+
 async def test_a_client_that_leaves_is_never_noticed(busy_sim: Simulator):
     async with aiohttp.ClientSession() as session:
         before = await read_metric(session, busy_sim, "vllm:generation_tokens_total", **MODEL)
@@ -372,6 +396,28 @@ async def test_a_client_that_leaves_is_never_noticed(busy_sim: Simulator):
     assert done == lengths + 1
     assert after - before == LONG["max_tokens"]  # the whole planned answer
     assert 'finish_reason="abort"' not in text
+
+
+async def test_a_client_that_leaves_an_unstreamed_request_is_never_noticed(busy_sim: Simulator):
+    unstreamed = {**LONG, "stream": False}
+    async with aiohttp.ClientSession() as session:
+        before = await read_metric(session, busy_sim, "vllm:generation_tokens_total", **MODEL)
+        lengths = await read_metric(
+            session, busy_sim, "vllm:request_success_total", finish_reason="length", **MODEL
+        )
+        await _send_and_leave(session, busy_sim, unstreamed)
+        done = await wait_for_metric(
+            session,
+            busy_sim,
+            "vllm:request_success_total",
+            lambda v: v == lengths + 1,
+            timeout_s=30,
+            finish_reason="length",
+            **MODEL,
+        )
+        after = await read_metric(session, busy_sim, "vllm:generation_tokens_total", **MODEL)
+    assert done == lengths + 1
+    assert after - before == unstreamed["max_tokens"]
 
 
 # --- n > 1 --------------------------------------------------------------------------------
