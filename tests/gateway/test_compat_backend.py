@@ -83,6 +83,7 @@ def roomy() -> dict[str, Any]:
 
 
 CUT_TPM = 300
+SMUGGLE_TPM = 100
 PLANS = {
     "figures": roomy(),
     "json": roomy(),
@@ -93,6 +94,7 @@ PLANS = {
         "charge_mode": "incremental",
         "batch_tokens": 32,
     },
+    "smuggle": {"window_s": WINDOW_S, "limits": {"*": {"tpm": SMUGGLE_TPM}}},
 }
 
 # One simulator per backend mode (the module's tests run once for each).
@@ -364,6 +366,37 @@ def test_cut_off_keeps_the_budget_whether_or_not_the_upstream_stops(
         f"delivered {f.delivered}, output billed {f.billed_output}, upstream generated "
         f"{generated}"
     )
+
+
+def test_a_case_variant_max_tokens_cannot_take_an_answer_past_the_budget(
+    request: pytest.FixtureRequest,
+    gateway: Gateway,
+    simulator: ModeSimulator,
+    redis_client: redis.Redis,
+) -> None:
+    if simulator.mode == "compat":
+        # Go's encoding/json (v0.10.2) takes "MAX_TOKENS" for max_tokens, the last key
+        # winning; the gateway clamps and reserves only "max_tokens". Streamed, the cut-off
+        # still holds the budget; unstreamed, the whole answer is charged afterwards.
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="admission reads max_tokens case-sensitively; a Go upstream does not "
+                "(measured: tpm 100, over 1,000 tokens charged)",
+            )
+        )
+    name = tenant(simulator, "smuggle")
+    body = {
+        "model": "gpt-4.1",
+        "messages": HI,
+        "max_tokens": 16,
+        "MAX_TOKENS": 1000,  # ten times the budget
+        "ignore_eos": True,
+    }
+    result, f = run(gateway, redis_client, name, "smuggled", body, "smuggle-1")
+    assert result.status == 200
+    assert_billing_holds(f, simulator)
+    assert counter_total(redis_client, name, "tpm") <= SMUGGLE_TPM, f
 
 
 def _metric(sim: ModeSimulator, name: str) -> int:
