@@ -188,7 +188,9 @@ async def test_non_streamed_answer_has_the_real_shape(sim: Simulator):
 async def test_ids_are_sha1_uuids_of_the_seed_port_and_a_count(sim: Simulator):
     answer = await _chat(sim, max_tokens=1)
     generated = answer["id"].removeprefix("chatcmpl-")
-    candidates = {str(uuid.uuid5(uuid.NAMESPACE_URL, f"{SEED}-{sim.port}-{n}")) for n in range(500)}
+    candidates = {
+        str(uuid.uuid5(uuid.NAMESPACE_URL, f"{SEED}-{sim.port}-{n}")) for n in range(5000)
+    }
     assert generated in candidates
 
 
@@ -277,9 +279,10 @@ async def test_stream_into_a_full_queue_is_a_200_with_an_error_event(busy_sim: S
         waiting = asyncio.create_task(
             _post(busy_sim, "/v1/chat/completions", {**CHAT, "max_tokens": 1})
         )
-        await wait_for_metric(
-            session, busy_sim, "vllm:num_requests_waiting", lambda v: v == 1, **MODEL
+        queued = await wait_for_metric(
+            session, busy_sim, "vllm:num_requests_waiting", lambda v: v == 1, timeout_s=30, **MODEL
         )
+        assert queued == 1
         events = await stream_events(
             session, busy_sim.url("/v1/chat/completions"), {**CHAT, "stream": True}
         )
@@ -369,8 +372,11 @@ async def _send_and_leave(session: aiohttp.ClientSession, sim: Simulator, body: 
         b"Content-Length: %d\r\n\r\n" % len(raw) + raw
     )
     await writer.drain()
-    await wait_for_metric(session, sim, "vllm:num_requests_running", lambda v: v == 1, **MODEL)
+    running = await wait_for_metric(
+        session, sim, "vllm:num_requests_running", lambda v: v == 1, timeout_s=30, **MODEL
+    )
     writer.close()
+    assert running == 1
 
 
 async def test_a_client_that_leaves_is_never_noticed(busy_sim: Simulator):
