@@ -29,7 +29,7 @@ from llmsim.settings import (
 
 log = logging.getLogger("llmsim")
 _LIST_KEYS = {"served-model-name", "failure-types"}
-_BOOL_KEYS = {"enable-request-id-headers"}
+_BOOL_KEYS = {"enable-request-id-headers", "force-dummy-tokenizer"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -90,6 +90,7 @@ async def serve(cfg: SimConfig, host: str, stop: asyncio.Event | None = None) ->
             site = web.TCPSite(runner, host, port, backlog=2048, reuse_address=True)
             await site.start()
             bound = site._server.sockets[0].getsockname()[1] if site._server else port  # type: ignore[union-attr]
+            rank.port = bound
             print(f"llmsim rank {rank_index} serving on http://{host}:{bound}", flush=True)
         await stop.wait()
     finally:
@@ -116,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model %s as %s, tokenizer %s, mode %s, max-num-seqs %d",
         cfg.model,
         list(cfg.served_names),
-        cfg.ext_tokenizer or "word-split",
+        "llm-d dummy (ext-compat)" if cfg.ext_compat else cfg.ext_tokenizer or "word-split",
         cfg.mode,
         cfg.max_num_seqs,
     )

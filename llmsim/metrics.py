@@ -97,12 +97,15 @@ class ModelStats:
         "waiting",
     )
 
-    def __init__(self, token_buckets: tuple[float, ...]) -> None:
+    def __init__(
+        self, token_buckets: tuple[float, ...], finish_reasons: tuple[str, ...] = FINISH_REASONS
+    ) -> None:
         self.running = 0
         self.waiting = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.success: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
+        # Reasons shown at 0 before they happen; any other appears when it first does.
+        self.success: dict[str, int] = dict.fromkeys(finish_reasons, 0)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(TPOT_BUCKETS)  # served as both TPOT and inter-token latency
         self.e2e = Histogram(REQUEST_LATENCY_BUCKETS)
@@ -119,7 +122,7 @@ class ModelStats:
         self, prompt_tokens: int, generated: int, max_tokens: int | None, reason: str
     ) -> None:
         """Per-request token histograms and the finish count, once per request."""
-        self.success[reason] += 1
+        self.success[reason] = self.success.get(reason, 0) + 1
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_gen_tokens.observe(generated)
         self.max_gen_tokens.observe(generated)  # one choice per request
@@ -232,11 +235,20 @@ class _StatsCollector(Collector):
 class Metrics:
     """One rank's metrics: plain per-model state, and the registry that serves it."""
 
-    def __init__(self, model_names: list[str], max_model_len: int) -> None:
+    def __init__(
+        self,
+        model_names: list[str],
+        max_model_len: int,
+        finish_reasons: tuple[str, ...] = FINISH_REASONS,
+    ) -> None:
         self.token_buckets = buckets_125(max_model_len)
-        self.models: dict[str, ModelStats] = defaultdict(lambda: ModelStats(self.token_buckets))
+
+        def new_stats() -> ModelStats:
+            return ModelStats(self.token_buckets, finish_reasons)
+
+        self.models: dict[str, ModelStats] = defaultdict(new_stats)
         for name in model_names:
-            self.models[name] = ModelStats(self.token_buckets)
+            self.models[name] = new_stats()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StatsCollector(self))
         ProcessCollector(registry=self.registry)

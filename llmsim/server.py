@@ -25,7 +25,8 @@ from llmsim import latency
 from llmsim.catalog import ServedModel
 from llmsim.chaos import NO_CHAOS, ChaosPlan, plan_chaos, split_points
 from llmsim.errors import ApiError, injected_failure
-from llmsim.metrics import Metrics, ModelStats
+from llmsim.llmd.frontend import LlmdFrontend
+from llmsim.metrics import FINISH_REASONS, Metrics, ModelStats
 from llmsim.payloads import GenerationRequest, Kind, parse_request
 from llmsim.scheduler import Engine, Ticket
 from llmsim.settings import FAILURE_TYPES, ConfigError, ConfigHolder, SimConfig, to_public_dict
@@ -54,8 +55,13 @@ class Rank:
         self.catalog = catalog
         self.rng = rng
         self.engine = Engine(cfg.max_num_seqs, cfg.max_waiting_queue_length)
-        self.metrics = Metrics(sorted({m.display for m in catalog.values()}), cfg.max_model_len)
+        names = sorted({m.display for m in catalog.values()})
+        # The real simulator shows a finish reason once it has happened, and never "abort".
+        reasons = () if cfg.ext_compat else FINISH_REASONS
+        self.metrics = Metrics(names, cfg.max_model_len, reasons)
         self.started_at = time.monotonic()
+        self.port = cfg.port  # the bound port once serving (names compat request ids)
+        self.compat = LlmdFrontend(self) if cfg.ext_compat else None
         # Prompts seen (``ext_prefix_cache_block``): a digest per model and prompt, oldest out.
         self.seen_prompts: OrderedDict[bytes, None] = OrderedDict()
 
@@ -81,8 +87,13 @@ class Rank:
             middlewares=[_openai_errors],
             client_max_size=cfg.max_request_body_size_mb * 1024 * 1024,
         )
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_post("/v1/completions", self.completions)
+        if self.compat is not None:
+            app.router.add_post("/v1/chat/completions", self.compat.chat)
+            app.router.add_post("/v1/completions", self.compat.text)
+            app.on_shutdown.append(self.compat.close)
+        else:
+            app.router.add_post("/v1/chat/completions", self.chat_completions)
+            app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/health/ready", self.ready)

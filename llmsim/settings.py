@@ -33,6 +33,9 @@ FAILURE_TYPES = (
 )
 LATENCY_CALCULATORS = ("", "constant", "per-token")
 MODES = ("random", "echo")
+# ``ext-compat`` values: "" is llmsim's own behaviour; the others reproduce a real release.
+COMPAT_LLMD_V0_10_2 = "llm-d-v0.10.2"
+COMPAT_MODES = ("", COMPAT_LLMD_V0_10_2)
 
 
 class ConfigError(ValueError):
@@ -79,7 +82,18 @@ class SimConfig:
     enable_request_id_headers: bool = False
     data_parallel_size: int = 1
     startup_duration: float = 0.0
+    force_dummy_tokenizer: bool = False
+    # Random tool calls (used by ``ext-compat: llm-d-v0.10.2``); the real simulator's defaults.
+    max_tool_call_integer_param: int = 100
+    min_tool_call_integer_param: int = 0
+    max_tool_call_number_param: float = 100.0
+    min_tool_call_number_param: float = 0.0
+    max_tool_call_array_param_length: int = 5
+    min_tool_call_array_param_length: int = 1
+    tool_call_not_required_param_probability: int = 50
+    object_tool_call_not_required_field_probability: int = 50
     # Extensions (ignored by the real simulator).
+    ext_compat: str = ""
     ext_tokenizer: str | None = None
     ext_tokens_per_chunk: int = 1
     ext_models: tuple[ExtraModel, ...] = ()
@@ -221,6 +235,27 @@ KEYS: dict[str, KeySpec] = {
     "enable-request-id-headers": _key("enable_request_id_headers", _as_bool),
     "data-parallel-size": _key("data_parallel_size", _as_int),
     "startup-duration": _key("startup_duration", _as_duration),
+    # llmsim never looks a model name up: its tokenizer is ext-tokenizer (or the compat one).
+    "force-dummy-tokenizer": _key("force_dummy_tokenizer", _as_bool),
+    "max-tool-call-integer-param": _key("max_tool_call_integer_param", _as_int),
+    "min-tool-call-integer-param": _key("min_tool_call_integer_param", _as_int),
+    "max-tool-call-number-param": _key("max_tool_call_number_param", _as_float),
+    "min-tool-call-number-param": _key("min_tool_call_number_param", _as_float),
+    "max-tool-call-array-param-length": _key("max_tool_call_array_param_length", _as_int),
+    "min-tool-call-array-param-length": _key("min_tool_call_array_param_length", _as_int),
+    "tool-call-not-required-param-probability": _key(
+        "tool_call_not_required_param_probability", _as_int
+    ),
+    "object-tool-call-not-required-field-probability": _key(
+        "object_tool_call_not_required_field_probability", _as_int
+    ),
+    "ext-compat": _key(
+        "ext_compat",
+        _as_str,
+        help=f"'{COMPAT_LLMD_V0_10_2}': answer as llm-d-inference-sim v0.10.2 does on the wire "
+        "(its dummy tokenizer, stock sentences, chunk shape, n, tools, logprobs; see "
+        "simulator_profiles/README.md); unset: llmsim's own behaviour",
+    ),
     "ext-tokenizer": _key(
         "ext_tokenizer", _as_optional_str, help="o200k_base, cl100k_base or a .model path"
     ),
@@ -251,17 +286,15 @@ _IGNORED_TEXT = """block-size data-parallel-rank dataset-in-memory dataset-path 
     dataset-url default-embedding-dimensions ec-transfer-config enable-kvcache
     enable-prefix-caching no-enable-prefix-caching enable-sleep-mode no-enable-sleep-mode
     enforce-eager no-enforce-eager event-batch-size fake-metrics fake-metrics-refresh-interval
-    force-dummy-tokenizer global-cache-hit-threshold hash-seed image-emission-rate
+    global-cache-hit-threshold hash-seed image-emission-rate
     kv-cache-size kv-cache-transfer-latency kv-cache-transfer-latency-std-dev
     kv-cache-transfer-time-per-token kv-cache-transfer-time-std-dev kv-events-replay-endpoint
     kv-events-replay-queue-size log-http lora-modules max-cpu-loras max-loras
-    max-tool-call-array-param-length max-tool-call-integer-param max-tool-call-number-param
-    min-tool-call-array-param-length min-tool-call-integer-param min-tool-call-number-param
     mm-encoder-only no-mm-encoder-only mm-processor-kwargs mm-render-timeout
-    object-tool-call-not-required-field-probability omni no-omni render-timeout render-url
+    omni no-omni render-timeout render-url
     self-signed-certs skip-tool-validation ssl-certfile ssl-keyfile tensor-parallel-size
     time-to-generate-image time-to-generate-image-std-dev tool-call-extra-call-probability
-    tool-call-not-required-param-probability use-vllm-map-event-format zmq-endpoint"""
+    use-vllm-map-event-format zmq-endpoint"""
 IGNORED_KEYS: frozenset[str] = frozenset(_IGNORED_TEXT.split())
 
 ADMIN_KEYS: tuple[str, ...] = tuple(k for k, spec in KEYS.items() if spec.admin)
@@ -363,7 +396,55 @@ def validate(cfg: SimConfig) -> SimConfig:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError("ext-models", f"model names served twice: {duplicates}")
+    _validate_tool_calls(cfg)
+    _validate_compat(cfg)
     return cfg
+
+
+def _validate_tool_calls(cfg: SimConfig) -> None:
+    for low, high in (
+        ("min-tool-call-integer-param", "max-tool-call-integer-param"),
+        ("min-tool-call-number-param", "max-tool-call-number-param"),
+        ("min-tool-call-array-param-length", "max-tool-call-array-param-length"),
+    ):
+        if getattr(cfg, KEYS[high].attr) < getattr(cfg, KEYS[low].attr):
+            raise ConfigError(high, f"cannot be less than {low}")
+    if cfg.min_tool_call_array_param_length < 0:
+        raise ConfigError("min-tool-call-array-param-length", "cannot be negative")
+    for key in (
+        "tool-call-not-required-param-probability",
+        "object-tool-call-not-required-field-probability",
+    ):
+        if not 0 <= getattr(cfg, KEYS[key].attr) <= 100:
+            raise ConfigError(key, "should be between 0 and 100")
+
+
+# What llmsim adds on top of the real simulator has no place in a copy of the real one.
+_NOT_IN_COMPAT = (
+    ("ext-tokenizer", None),
+    ("ext-models", ()),
+    ("ext-tokens-per-chunk", 1),
+    ("ext-prefix-cache-block", 0),
+    ("ext-disconnect-rate", 0.0),
+    ("ext-stall-rate", 0.0),
+    ("ext-malformed-event-rate", 0.0),
+    ("ext-split-writes-rate", 0.0),
+    ("ext-stamp-events", False),
+)
+
+
+def _validate_compat(cfg: SimConfig) -> None:
+    if cfg.ext_compat not in COMPAT_MODES:
+        raise ConfigError(
+            "ext-compat", f"unknown value {cfg.ext_compat!r}; valid: {COMPAT_LLMD_V0_10_2!r}"
+        )
+    if not cfg.ext_compat:
+        return
+    for key, neutral in _NOT_IN_COMPAT:
+        if getattr(cfg, KEYS[key].attr) != neutral:
+            raise ConfigError(key, "is an llmsim extension, not available with ext-compat")
+    if cfg.max_waiting_queue_length < 1:
+        raise ConfigError("max-waiting-queue-length", "cannot be less than 1 (as in v0.10.2)")
 
 
 def load_yaml(path: Path) -> dict[str, object]:

@@ -1,5 +1,81 @@
-"""An llmsim process for a test (moved to ``loadlab.simulator``)."""
+"""An llmsim process for a test (moved to ``loadlab.simulator``), in either backend mode.
+
+Gateway tests can run against both backends the gateway meets:
+
+* ``exact``: ``fast.yaml``, output made of whole o200k tokens (usage == our count);
+* ``compat``: ``llm-d-v0.10.2.yaml``, llm-d-inference-sim v0.10.2 on the wire (its dummy
+  tokenizer: usage a few % below our o200k count; ``usage: null`` chunks, errors inside
+  200 streams, ``n > 1``, tool calls).
+
+    simulator = simulator_fixture("--inter-token-latency", "2ms")  # module-scoped, both modes
+
+    def test_x(simulator: ModeSimulator) -> None:
+        if simulator.mode == "compat": ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
 
 from loadlab.simulator import PROFILES_DIR, REPO_ROOT, Simulator, profile_path, running_simulator
 
-__all__ = ["PROFILES_DIR", "REPO_ROOT", "Simulator", "profile_path", "running_simulator"]
+Mode = Literal["exact", "compat"]
+Scope = Literal["session", "package", "module", "class", "function"]
+MODES: tuple[Mode, ...] = ("exact", "compat")
+MODE_PROFILES: dict[Mode, str] = {"exact": "fast.yaml", "compat": "llm-d-v0.10.2.yaml"}
+
+
+class ModeSimulator(Simulator):
+    """A simulator started from the profile of a backend mode."""
+
+    def __init__(self, mode: Mode, *extra_args: str, **kw: Any) -> None:
+        super().__init__(MODE_PROFILES[mode], *extra_args, **kw)
+        self.mode: Mode = mode
+
+
+@contextmanager
+def simulator_in_mode(
+    mode: Mode, *extra_args: str, log_dir: Path | None = None
+) -> Iterator[ModeSimulator]:
+    sim = ModeSimulator(mode, *extra_args, log_dir=log_dir)
+    try:
+        yield sim
+    finally:
+        sim.stop()
+
+
+def simulator_fixture(
+    *extra_args: str, modes: tuple[Mode, ...] = MODES, scope: Scope = "module"
+) -> Callable[..., Iterator[ModeSimulator]]:
+    """A fixture parametrised over ``modes``: one simulator per mode, ``extra_args`` added."""
+
+    @pytest.fixture(scope=scope, params=modes)
+    def simulator(
+        request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    ) -> Iterator[ModeSimulator]:
+        mode: Mode = request.param
+        log_dir = tmp_path_factory.mktemp(f"sim-{mode}")
+        with simulator_in_mode(mode, *extra_args, log_dir=log_dir) as sim:
+            yield sim
+
+    return simulator
+
+
+__all__ = [
+    "MODES",
+    "MODE_PROFILES",
+    "PROFILES_DIR",
+    "REPO_ROOT",
+    "Mode",
+    "ModeSimulator",
+    "Simulator",
+    "profile_path",
+    "running_simulator",
+    "simulator_fixture",
+    "simulator_in_mode",
+]
