@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 
+from extproc.quota.keys import tenant_tag
 from loadlab.redis_server import REDIS_SERVER, accepts_connections
 from tests.support.procs import ManagedProcess, free_port
 
@@ -213,6 +214,21 @@ class RedisClusterSet:
                 if start <= slot <= end:
                     return int(master[1])
         raise RuntimeError(f"no master holds slot {slot}")
+
+    def tenants_on_masters(
+        self, per_master: int = 2, stem: str = "tenant-"
+    ) -> dict[int, list[str]]:
+        """Tenant names (``<stem><i>``) whose hash tags land on each master, ``per_master``
+        each (checked with CLUSTER KEYSLOT / SLOTS)."""
+        by_master: dict[int, list[str]] = {port: [] for port in self.topology()}
+        i = 0
+        while any(len(v) < per_master for v in by_master.values()):
+            tenant = f"{stem}{i}"
+            i += 1
+            found = by_master.setdefault(self.master_of(tenant_tag(tenant)), [])
+            if len(found) < per_master:
+                found.append(tenant)
+        return by_master
 
     def wait_master_changed(self, old_port: int, timeout_s: float = 60.0) -> int:
         """The new master of ``old_port``'s former slots, once the cluster agrees on it."""
