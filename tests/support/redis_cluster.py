@@ -124,6 +124,9 @@ class RedisClusterSet:
                             "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
                             # A replica may be promoted however long its link was down.
                             "--cluster-replica-validity-factor", "0",
+                            # The other masters keep serving their slots while one is
+                            # failed (the default, yes, refuses every slot meanwhile).
+                            "--cluster-require-full-coverage", "no",
                         ],
                     )
                 )  # fmt: skip
