@@ -16,10 +16,12 @@ their replicas, then of the seeds. It is read
   to it succeeds. A failing call also waits for one fresh read (at most one per
   ``REFRESH_MIN_S`` for all callers) and is sent again when its slot has a new master.
 
-``ASK`` is followed for that call alone (``ASKING`` pipelined before it); ``TRYAGAIN``
-(a slot being migrated) is retried after a short pause; at most ``REDIRECTS`` of these per
-call. The caller's deadline bounds all of it: a call sent again after an outcome-unknown
-failure is safe because every quota script is idempotent on its record key (and ``seq``).
+``ASK`` is followed for that call alone (``ASKING`` pipelined before it), at most
+``REDIRECTS`` redirections per call. ``TRYAGAIN`` (a script whose keys are split between
+the two masters of a slot being migrated, or missing on the importing one: a new tenant
+of that slot) is retried with a growing pause, ``TRYAGAIN_RETRIES`` times (about 0.75 s).
+The caller's deadline bounds all of it. A call sent again after an outcome-unknown failure
+is safe: every quota script is idempotent on its record key (and ``seq``).
 
 A connection whose server left the master set is closed: calls still waiting on it fail
 with ``ConnectionError`` and go to the slot's new master.
@@ -54,11 +56,12 @@ from extproc.quota.slots import Address, SlotMap, key_slot
 
 log = structlog.get_logger("extproc.cluster")
 
-REDIRECTS = 5  # MOVED / ASK / TRYAGAIN followed per call
+REDIRECTS = 5  # MOVED / ASK followed per call
 REFRESH_MIN_S = 0.05  # failing calls share one fresh read of the map at most this often
 HEAL_MIN_S = 0.05  # first re-read after a master turned suspect; doubles up to
 HEAL_MAX_S = 0.2
-TRYAGAIN_PAUSE_S = 0.01
+TRYAGAIN_RETRIES = 10
+TRYAGAIN_PAUSE_S = (0.01, 0.1)  # first pause, longest
 # Errors after which the slot's master may have changed: the map is read again.
 _FAILOVER_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterDownError)
 
@@ -120,7 +123,8 @@ class ClusterConnection:
     async def _send(self, key: str, payload: bytes) -> Any:
         slot = key_slot(key)
         asking: RespConnection | None = None
-        for _ in range(REDIRECTS + 1):
+        redirects = retries = 0
+        while redirects <= REDIRECTS:
             conn = asking or self._slots[slot] or await self._owner(slot)
             try:
                 if asking is None:
@@ -129,12 +133,19 @@ class ClusterConnection:
                     reply = await conn.request_asking(payload)
             except MovedError as exc:
                 asking = None
+                redirects += 1
                 self._moved(slot, exc, conn)
             except AskError as exc:
+                redirects += 1
                 asking = self._node((exc.host or conn.host, exc.port))
             except TryAgainError:
+                if retries == TRYAGAIN_RETRIES:
+                    raise
                 asking = None
-                await asyncio.sleep(TRYAGAIN_PAUSE_S)
+                first, longest = TRYAGAIN_PAUSE_S
+                await asyncio.sleep(min(first * 2**retries, longest))
+                retries += 1
+                redirects = 0  # the ASK that led here is asked again
             except _FAILOVER_ERRORS:
                 asking = None
                 self._suspect(conn)
