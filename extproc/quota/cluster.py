@@ -11,10 +11,11 @@ their replicas, then of the seeds. It is read
 * after ``MOVED`` (the slot is pointed at the node named at once, the whole map read again
   in the background: a failover or a resharding moves many slots);
 * while a master is *suspect*: its connection failed or timed out, or a call to it was cut
-  off by its deadline. Every ``HEAL_MIN_S`` .. ``HEAL_MAX_S`` the map is read again until
-  no slot is served by the suspect any more (its replica was promoted) or a call or probe
-  to it succeeds. A failing call also waits for one fresh read (at most one per
-  ``REFRESH_MIN_S`` for all callers) and is sent again when its slot has a new master.
+  off by its deadline while it had answered nothing for ``SILENT_S``. Every ``HEAL_MIN_S``
+  .. ``HEAL_MAX_S`` the map is read again until no slot is served by the suspect any more
+  (its replica was promoted) or a call or probe to it succeeds. A failing call also waits
+  for one fresh read (at most one per ``REFRESH_MIN_S`` for all callers) and is sent again
+  when its slot has a new master.
 
 ``ASK`` is followed for that call alone (``ASKING`` pipelined before it), at most
 ``REDIRECTS`` redirections per call. ``TRYAGAIN`` (a script whose keys are split between
@@ -60,6 +61,9 @@ REDIRECTS = 5  # MOVED / ASK followed per call
 REFRESH_MIN_S = 0.05  # failing calls share one fresh read of the map at most this often
 HEAL_MIN_S = 0.05  # first re-read after a master turned suspect; doubles up to
 HEAL_MAX_S = 0.2
+# A call cut off (its deadline) on a connection that owed replies this long with nothing
+# heard makes that master suspect; a busy one that answers others does not.
+SILENT_S = 0.1
 TRYAGAIN_RETRIES = 10
 TRYAGAIN_PAUSE_S = (0.01, 0.1)  # first pause, longest
 # Errors after which the slot's master may have changed: the map is read again.
@@ -152,7 +156,8 @@ class ClusterConnection:
                 if not await self._moved_on(slot, conn):
                     raise
             except asyncio.CancelledError:
-                self._suspect(conn)  # cut off by its deadline: is that master still there?
+                if conn.silent_s() >= SILENT_S:  # cut off by its deadline, nothing heard
+                    self._suspect(conn)
                 raise
             else:
                 if self._suspects:

@@ -334,6 +334,13 @@ class RespConnection:
             if asking.done() and not asking.cancelled():
                 asking.exception()  # retrieved: the command's own reply tells what happened
 
+    def silent_s(self) -> float:
+        """How long a reply has been owed with nothing heard (0: none owed)."""
+        protocol = self._protocol
+        if protocol is None or protocol.lost or not protocol.pending:
+            return 0.0
+        return time.monotonic() - max(protocol.sent_at[0], protocol.last_heard)
+
     def shard_of(self, key: str) -> str:
         return ""
 

@@ -144,7 +144,7 @@ class SentinelConnection:
         failing_over, address = found
         if failing_over:
             raise RedisConnectionError("Sentinel failover in progress")
-        return await self._use(address)
+        return self._use(address)
 
     async def _survey(self) -> tuple[bool, Address] | None:
         """(a failover is in progress, the master) from all sentinels; None: none answers."""
@@ -172,7 +172,7 @@ class SentinelConnection:
             return True, max(answers, key=lambda a: a[1])[2]
         return False, max(answers, key=lambda a: a[1])[2]
 
-    async def _use(self, address: Address) -> RespConnection:
+    def _use(self, address: Address) -> RespConnection:
         if self._master is not None and self._address == address:
             return self._master
         if self._address is not None and self._address != address:
@@ -180,9 +180,14 @@ class SentinelConnection:
         self._drop()
         self._master = self._template.to(*address, require_master=True)
         self._address = address
-        if self._on_change is not None:
-            await self._on_change(address)
+        self._tell(address)
         return self._master
+
+    def _tell(self, address: Address | None) -> None:
+        """``on_change`` in the background: nothing it waits for may hold the watcher."""
+        if self._on_change is not None:
+            task = asyncio.ensure_future(self._on_change(address))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def _drop(self) -> None:
         if self._master is not None:
@@ -202,11 +207,9 @@ class SentinelConnection:
                     self.fenced = True
                     self.fences += 1
                     self._drop()
-                    if self._on_change is not None:
-                        await self._on_change(None)
+                    self._tell(None)
                 continue
-            with contextlib.suppress(RedisError, OSError):
-                await self._use(address)
+            self._use(address)
             self.fenced = False
 
     async def close(self) -> None:

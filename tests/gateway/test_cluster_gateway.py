@@ -166,8 +166,13 @@ def test_a_dead_master_stops_only_the_tenants_whose_slots_it_serves(
         master_of = {t: port for port, ts in by_master.items() for t in ts}
         tenants = list(master_of)
         plan = {"window_s": WINDOW_S, "limits": {"*": {"rpm": 1_000_000, "tpm": 10**9}}}
+        # A generous deadline: a dead master fails its calls at once (connection refused);
+        # the healthy ones must not time out on a hogged host instead.
         config = write_processor_config(
-            tmp_path / "quota.yaml", {t: plan for t in tenants}, redis_url=cluster.url
+            tmp_path / "quota.yaml",
+            {t: plan for t in tenants},
+            redis_url=cluster.url,
+            quota_timeout_ms=3000,
         )
         gateway = start_gateway(config, tmp_path, [s.port for s in simulators])
         answers: list[Answer] = []
