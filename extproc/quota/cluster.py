@@ -53,7 +53,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.quota.resp import RespConnection, Script, pack
-from extproc.quota.slots import Address, SlotMap, key_slot
+from extproc.quota.slots import SLOTS, Address, SlotMap, key_slot
 
 log = structlog.get_logger("extproc.cluster")
 
@@ -85,7 +85,7 @@ class ClusterConnection:
         self._seeds = list(seeds)
         self._template = template  # credentials, TLS and timeouts of every node
         self._refresh_timeout_s = refresh_timeout_s
-        self._slots: list[RespConnection | None] = SlotMap.empty().owners  # type: ignore[assignment]
+        self._slots: list[RespConnection | None] = [None] * SLOTS
         self._nodes: dict[Address, RespConnection] = {}  # masters (and ASK targets)
         self._by_name: dict[str, RespConnection] = {}
         self._owners: set[RespConnection] = set()  # the connections the map names

@@ -288,8 +288,6 @@ class ResilientQuotaBackend:
             if up:
                 breaker.open = False
                 breaker.consecutive = 0
-                if self._breakers.get(breaker.shard) is breaker:
-                    del self._breakers[breaker.shard]  # a shard gone for good leaves nothing
                 self.metrics.quota_breaker_open = len(self.open_shards())
                 self._wake.set()
                 log.warning("quota_breaker_closed", shard=breaker.shard, pending=len(self._pending))

@@ -114,6 +114,8 @@ class SentinelConnection:
             return self._master
         if self._resolving is None:
             self._resolving = asyncio.ensure_future(self._resolve())
+            # Retrieved even when every caller was cut off by its deadline meanwhile.
+            self._resolving.add_done_callback(lambda f: f.cancelled() or f.exception())
         resolving = self._resolving
         try:
             return await asyncio.shield(resolving)

@@ -371,10 +371,14 @@ def backend_for(
         topology, max_connections=max_connections, **credentials, **timeouts,
         **connection_options,
     )  # fmt: skip
+    follow = None
+    if topology.kind == "sentinel":
+        assert isinstance(client, aioredis.Redis)
+        follow = _follow_master(client)
     scripts = build_scripts(
         topology,
         connection_retries=connection_retries,
-        on_master_change=_follow_master(client) if topology.kind == "sentinel" else None,  # type: ignore[arg-type]
+        on_master_change=follow,
         **credentials,
         **timeouts,
         **connection_options,

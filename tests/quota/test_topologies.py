@@ -36,6 +36,7 @@ from extproc.quota.resp import Script
 from extproc.quota.slots import key_slot
 from extproc.quota.topology import parse_redis_url, seeds_to_url
 from tests.quota.conftest import FakeClock
+from tests.support.procs import free_port
 from tests.support.redis_cluster import Node, RedisClusterSet, SentinelSet, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -671,8 +672,10 @@ async def test_sentinel_master_failover_under_load_charges_no_token_twice(
                 lambda: old.client().execute_command("ROLE")[0] == "slave", "old master demoted"
             )
 
+    # The first sentinel named is not running: the others are asked all the same.
+    url = sentinel.url.replace("://", f"://127.0.0.1:{free_port()},", 1)
     audit = await run_failover(
-        sentinel.url,
+        url,
         tenants,
         tenants,
         fail_over,

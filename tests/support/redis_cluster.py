@@ -175,10 +175,13 @@ class RedisClusterSet:
         raise RuntimeError("no live cluster node answers")
 
     def _all_ok(self) -> bool:
-        return all(
-            n.client().execute_command("CLUSTER INFO")["cluster_state"] == "ok"
-            for n in self.live_nodes()
-        )
+        """Every live node says the cluster is ok and every slot served by a live master
+        (with ``cluster-require-full-coverage no`` the state stays ok without the latter)."""
+
+        def ok(info: dict[str, Any]) -> bool:
+            return info["cluster_state"] == "ok" and int(info["cluster_slots_ok"]) == 16384
+
+        return all(ok(n.client().execute_command("CLUSTER INFO")) for n in self.live_nodes())
 
     def wait_healthy(self, masters: int = 3, timeout_s: float = 60.0) -> None:
         """``cluster_state:ok`` on every live node, ``masters`` masters with slots."""
@@ -234,7 +237,7 @@ class RedisClusterSet:
         return by_master
 
     def wait_master_changed(self, old_port: int, timeout_s: float = 60.0) -> int:
-        """The new master of ``old_port``'s former slots, once the cluster agrees on it."""
+        """Once ``old_port``'s former slots are served by a new master, every node agreeing."""
 
         def changed() -> bool:
             return old_port not in self.topology() and self._all_ok()
