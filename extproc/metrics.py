@@ -214,7 +214,7 @@ _SCALARS: tuple[tuple[str, str, str, str], ...] = (
     ("liveness_errors_total", "extproc_liveness_errors", "counter",
      "Heartbeat, registration or sweep calls that failed."),
     ("quota_breaker_open", "extproc_quota_breaker_open", "gauge",
-     "1 while the circuit breaker keeps calls off the quota backend."),
+     "Circuit breakers keeping calls off the quota backend (one per Cluster master)."),
     ("quota_breaker_opened_total", "extproc_quota_breaker_opened", "counter",
      "Times the circuit breaker opened."),
     ("quota_breaker_probes_total", "extproc_quota_breaker_probes", "counter",

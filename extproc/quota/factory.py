@@ -22,11 +22,12 @@ def backend_from_url(
     """``memory://`` for the single-instance embedded backend; ``redis://``, ``rediss://``
     or ``unix://`` for the shared Redis backend (options go to ``RedisQuotaBackend.from_url``);
     ``redis+cluster://`` and ``redis+sentinel://`` (``rediss+…``: TLS) for the same backend on
-    redis-py's cluster or Sentinel client (``extproc.quota.topology``; same options).
+    a Cluster (a pipelined connection per master) or a Sentinel-managed master
+    (``extproc.quota.topology``; same options).
 
     With ``resilience`` (the processor always passes it) a Redis backend is wrapped in
-    ``ResilientQuotaBackend``: circuit breaker, fail-open allowance, and a queue for what
-    Redis cannot take yet; ``metrics`` receives its counters. ``memory://`` cannot fail and
+    ``ResilientQuotaBackend``: a circuit breaker per master, fail-open allowance, and a queue
+    for what Redis cannot take yet; ``metrics`` receives its counters. ``memory://`` cannot fail and
     is never wrapped.
     """
     if url == "memory://" or url.startswith("memory://"):

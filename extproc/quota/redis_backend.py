@@ -2,10 +2,15 @@
 
 Each operation is one Lua script (``lua/*.lua``) so that check-and-charge is atomic across
 processors and replicas, and windows come from the Redis ``TIME`` of the server that holds
-the counters, never from a processor's clock. The scripts run on one pipelined connection
-(``extproc.quota.resp``: a tenth of redis-py's CPU per call); EVALSHA, and on NOSCRIPT (a
-restarted or failed-over server) EVAL, which loads the script again. redis-py's client
-serves what is off the hot path (the orphan reconciler, the absorb script).
+the counters, never from a processor's clock. The scripts run on pipelined connections
+(``extproc.quota.resp``: a tenth of redis-py's CPU per call): one to a single server, one
+per master of a Cluster, one to a Sentinel-managed master (``extproc.quota.topology``);
+EVALSHA, and on NOSCRIPT (a restarted or failed-over server) EVAL, which loads the script
+again. redis-py's client serves what is off the hot path (the orphan reconciler).
+
+Shards. ``shard_of(key)`` names the server that serves a key now (a Cluster's master;
+``""`` on one server or Sentinel) and ``probe(shard)`` says whether calls for it may be
+sent again: the resilient wrapper keeps one circuit breaker per shard.
 
 Failures. Every script call is bounded by ``command_timeout_s`` (pool wait, connect, the
 retry and the reply together) and raises ``QuotaTimeout`` when it expires; any other failure
@@ -67,7 +72,7 @@ from extproc.quota.base import (
     Verdict,
 )
 from extproc.quota.orphans import OpenReservations
-from extproc.quota.resp import RespConnection, Script
+from extproc.quota.resp import RespConnection, Script, ScriptRunner
 
 T = TypeVar("T")
 # What ``settle_orphan`` found: settled now, settled before (by its owner or a peer), no
@@ -183,14 +188,15 @@ def _settlement(already: Any, summary: str) -> Settlement:
 class RedisQuotaBackend:
     """The shared backend for several processor replicas.
 
-    Connects to one Redis server (or a proxy in front of a cluster). Keys are already
-    Cluster-ready: every key of a tenant shares one hash tag, so each script touches one slot.
+    On one Redis server (``from_url``), a Cluster or a Sentinel-managed master
+    (``topology.backend_for``). Every key of a tenant shares one hash tag, so each script
+    touches one slot.
     """
 
     def __init__(
         self,
         client: aioredis.Redis,
-        scripts: RespConnection,
+        scripts: ScriptRunner,
         command_timeout_s: float | None = None,
         *,
         owner_id: str | None = None,
@@ -321,6 +327,22 @@ class RedisQuotaBackend:
         if self.open_reservations is None:
             self.open_reservations = OpenReservations()
         return self.open_reservations
+
+    def shard_of(self, key: str) -> str:
+        """The server that serves ``key`` now (``""``: the only one)."""
+        return self._scripts.shard_of(key)
+
+    async def probe(self, shard: str) -> bool:
+        """May calls for ``shard`` be sent again (it answers, or serves no key any more)?"""
+        try:
+            async with asyncio.timeout(self._command_timeout_s):
+                return await self._scripts.probe(shard)
+        except (RedisError, OSError):  # TimeoutError included
+            return False
+
+    async def run(self, operation: str, script: Script, keys: list[Any], args: list[Any]) -> Any:
+        """One script call of another module (the absorb) under this backend's deadline."""
+        return await self._call(operation, self._scripts.run_script(script, keys, args))
 
     async def _call(self, operation: str, call: Awaitable[T]) -> T:
         """Run one script call under the deadline, mapping failures to the quota errors."""

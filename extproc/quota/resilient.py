@@ -4,11 +4,17 @@ for what the backend could not take (settlements, cancels, reconciliations).
 ``ResilientQuotaBackend`` wraps the Redis backend and implements the same protocol; the
 factory puts it around every Redis URL (``memory://`` cannot fail and is not wrapped).
 
-**Breaker.** Every call that reaches Redis and fails (``QuotaUnavailable``, timeouts
-included) counts; ``failures`` consecutive ones open the breaker. While it is open no call
-reaches Redis: each fails at once with ``CircuitOpen`` (a ``QuotaUnavailable`` saying the
-call was never sent), and the only traffic to Redis is one probe (``PING``) every
-``probe_interval_s``, one at a time. The first probe that succeeds closes the breaker.
+**Breaker.** One per shard: the server that serves a call's key now (``shard_of``: each
+master of a Redis Cluster, the one server otherwise), so a dead master stops only the
+tenants whose slots it serves. Every call that reaches Redis and fails (``QuotaUnavailable``,
+timeouts included) counts against its shard; ``failures`` consecutive ones open that
+shard's breaker. While it is open no call for that shard reaches Redis: each fails at once
+with ``CircuitOpen`` (a ``QuotaUnavailable`` saying the call was never sent), and the only
+traffic to it is one probe every ``probe_interval_s``, one at a time (``probe``: a PING, or
+on a Cluster "no slot is served there any more", once a replica has taken its slots over:
+their calls then go to the new master, whose breaker is its own). The first probe that
+succeeds closes the breaker. Fail-open admissions and leases and the queue below follow
+each call's own shard.
 
 **Fail open.** A request whose counters all carry ``fail_open_limit`` (its plan says
 ``on_backend_failure: open``; the policy resolver sets it to ``limit × fail_open_fraction``,
@@ -82,6 +88,7 @@ from extproc.quota.redis_backend import (
     WrongWindow,
     load_lua,
 )
+from extproc.quota.resp import Script
 
 log = structlog.get_logger("extproc.quota.resilient")
 T = TypeVar("T")
@@ -128,6 +135,16 @@ def _local(counters: tuple[Counter, ...]) -> tuple[Counter, ...]:
 
 def _zeros(counters: tuple[Counter, ...]) -> tuple[int, ...]:
     return tuple(0 for _ in counters)
+
+
+@dataclass(slots=True)
+class _Breaker:
+    """The circuit breaker of one shard (``RedisQuotaBackend.shard_of``)."""
+
+    shard: str
+    consecutive: int = 0
+    open: bool = False
+    prober: asyncio.Task[None] | None = None
 
 
 @dataclass(slots=True)
@@ -187,27 +204,27 @@ class ResilientQuotaBackend:
         self._clock = clock
         # The allowance keeps no ledger: Redis's is the one (nothing to bound here).
         self.local = MemoryQuotaBackend(clock=clock, ledger=LedgerSettings(enabled=False))
-        # The absorb script runs on the Redis backend's own client, under its deadline.
-        client = getattr(primary, "client", None) or primary._client
-        self._absorb_script = client.register_script(load_lua("absorb.lua"))
-        self._consecutive = 0
-        self._open = False
-        self._closed = asyncio.Event()
-        self._closed.set()
+        # The absorb script runs on the Redis backend's scripts, under its deadline.
+        self._absorb_script = Script(load_lua("absorb.lua"))
+        self._breakers: dict[str, _Breaker] = {}
         self._wake = asyncio.Event()
         self._empty = asyncio.Event()
         self._empty.set()
         self._pending: OrderedDict[tuple[OpKind, str], _Op] = OrderedDict()
         self._tracked: dict[str, _Tracked] = {}
         self._unsent: OrderedDict[str, None] = OrderedDict()
-        self._prober: asyncio.Task[None] | None = None
         self._worker: asyncio.Task[None] | None = None
         self._next_sweep = 0.0
         self._config_error_logged: dict[str, float] = {}
 
     @property
     def breaker_open(self) -> bool:
-        return self._open
+        """Some shard's breaker is open."""
+        return any(b.open for b in self._breakers.values())
+
+    def open_shards(self) -> list[str]:
+        """The shards whose breaker is open."""
+        return [b.shard for b in self._breakers.values() if b.open]
 
     @property
     def pending(self) -> int:
@@ -216,8 +233,20 @@ class ResilientQuotaBackend:
 
     # -- breaker ---------------------------------------------------------------------------
 
-    async def _guarded(self, call: Callable[[], Awaitable[T]]) -> T:
-        if self._open:
+    def _breaker(self, key: str) -> _Breaker:
+        shard = self.primary.shard_of(key)
+        breaker = self._breakers.get(shard)
+        if breaker is None:
+            breaker = self._breakers[shard] = _Breaker(shard)
+        return breaker
+
+    def _is_open(self, key: str) -> bool:
+        breaker = self._breakers.get(self.primary.shard_of(key))
+        return breaker is not None and breaker.open
+
+    async def _guarded(self, key: str, call: Callable[[], Awaitable[T]]) -> T:
+        breaker = self._breaker(key)
+        if breaker.open:
             self.metrics.quota_short_circuited_total += 1
             raise CircuitOpen("quota backend unavailable (circuit breaker open)")
         self.metrics.quota_backend_calls_total += 1
@@ -230,9 +259,9 @@ class ResilientQuotaBackend:
             self._misconfigured(exc)
             raise
         except QuotaUnavailable:
-            self._failed()
+            self._failed(breaker)
             raise
-        self._consecutive = 0
+        breaker.consecutive = 0
         return result
 
     def _misconfigured(self, exc: QuotaMisconfigured) -> None:
@@ -243,39 +272,43 @@ class ResilientQuotaBackend:
             self._config_error_logged[message] = now
             log.error("quota_backend_misconfigured", kind=exc.kind, error=message)
 
-    def _failed(self) -> None:
+    def _failed(self, breaker: _Breaker) -> None:
         self.metrics.quota_backend_failures_total += 1
-        self._consecutive += 1
-        if self._open or self._consecutive < self.failures:
+        breaker.consecutive += 1
+        if breaker.open or breaker.consecutive < self.failures:
             return
-        self._open = True
-        self._closed.clear()
-        self.metrics.quota_breaker_open = 1
+        breaker.open = True
+        self.metrics.quota_breaker_open = len(self.open_shards())
         self.metrics.quota_breaker_opened_total += 1
         log.error(
             "quota_breaker_open",
-            failures=self._consecutive,
+            shard=breaker.shard,
+            failures=breaker.consecutive,
             probe_interval_s=self.probe_interval_s,
             pending=len(self._pending),
         )
-        self._prober = asyncio.get_running_loop().create_task(self._probe())
+        breaker.prober = asyncio.get_running_loop().create_task(self._probe(breaker))
 
-    async def _probe(self) -> None:
-        """One PING every ``probe_interval_s`` while open; the first that succeeds closes."""
-        while self._open:
+    async def _probe(self, breaker: _Breaker) -> None:
+        """One probe every ``probe_interval_s`` while open; the first that succeeds closes."""
+        while breaker.open:
             await asyncio.sleep(self.probe_interval_s)
             self.metrics.quota_breaker_probes_total += 1
             try:
-                up = await self.primary.ping()
+                up = await self.primary.probe(breaker.shard)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                up = False  # something under the probe was cancelled, not the prober
             except Exception:
                 up = False
             if up:
-                self._open = False
-                self._consecutive = 0
-                self.metrics.quota_breaker_open = 0
-                self._closed.set()
+                breaker.open = False
+                breaker.consecutive = 0
+                self.metrics.quota_breaker_open = len(self.open_shards())
                 self._wake.set()
-                log.warning("quota_breaker_closed", pending=len(self._pending))
+                log.warning("quota_breaker_closed", shard=breaker.shard, pending=len(self._pending))
 
     # -- admission -------------------------------------------------------------------------
 
@@ -283,7 +316,7 @@ class ResilientQuotaBackend:
         self._sweep()
         key = request.reservation_key
         try:
-            verdict = await self._guarded(lambda: self.primary.admit(request))
+            verdict = await self._guarded(key, lambda: self.primary.admit(request))
         except QuotaMisconfigured:
             raise  # fail closed even on an open plan: no allowance hides a broken ACL
         except CircuitOpen:
@@ -361,7 +394,8 @@ class ResilientQuotaBackend:
             )
         try:
             grant = await self._guarded(
-                lambda: self.primary.reserve(reservation_key, seq, token_counters, amount, minimum)
+                reservation_key,
+                lambda: self.primary.reserve(reservation_key, seq, token_counters, amount, minimum),
             )
         except QuotaUnavailable as exc:
             if tracked is None or isinstance(exc, QuotaMisconfigured):
@@ -468,6 +502,7 @@ class ResilientQuotaBackend:
     ) -> Settlement:
         try:
             return await self._guarded(
+                key,
                 lambda: self.primary.settle(
                     key,
                     token_counters,
@@ -475,7 +510,7 @@ class ResilientQuotaBackend:
                     reason=reason,
                     output_tokens=output_tokens,
                     cached_tokens=cached_tokens,
-                )
+                ),
             )
         except QuotaUnavailable as exc:
             op = _Op("settle", key, token_counters, used=used, reason=reason)
@@ -508,7 +543,8 @@ class ResilientQuotaBackend:
             await self.local.cancel(reservation_key, _local(token_counters))
         try:
             return await self._guarded(
-                lambda: self.primary.cancel(reservation_key, token_counters, tombstone_ttl_s)
+                reservation_key,
+                lambda: self.primary.cancel(reservation_key, token_counters, tombstone_ttl_s),
             )
         except QuotaUnavailable:
             queued = self._enqueue(
@@ -582,7 +618,7 @@ class ResilientQuotaBackend:
                 keys.append(window_key(prefix, current))
                 args += (window_s, current, start, amount)
             keys.append(usage_stream_key(op.key))
-            reply = await self.primary._call("absorb", self._absorb_script(keys=keys, args=args))
+            reply = await self.primary.run("absorb", self._absorb_script, keys, args)
             if int(reply[0]) != 2:
                 return reply
             self.primary.window_retries += 1
@@ -619,6 +655,7 @@ class ResilientQuotaBackend:
     async def _apply(self, op: _Op) -> None:
         if op.kind == "settle":
             await self._guarded(
+                op.key,
                 lambda: self.primary.settle(
                     op.key,
                     op.counters,
@@ -626,27 +663,29 @@ class ResilientQuotaBackend:
                     reason=op.reason,
                     output_tokens=op.output_tokens,
                     cached_tokens=op.cached_tokens,
-                )
+                ),
             )
         elif op.kind == "cancel":
-            await self._guarded(lambda: self.primary.cancel(op.key, op.counters, op.ttl_s))
+            await self._guarded(op.key, lambda: self.primary.cancel(op.key, op.counters, op.ttl_s))
         else:
-            await self._guarded(lambda: self._absorb_call(op))
+            await self._guarded(op.key, lambda: self._absorb_call(op))
             self.metrics.reconciled_reservations_total += 1
             self.metrics.reconciled_tokens_total += op.tokens
 
     async def _drain(self) -> None:
-        """Apply queued calls, oldest first, whenever the breaker is closed."""
+        """Apply queued calls, oldest first, whenever their shard's breaker is closed."""
         while True:
             if not self._pending:
                 self._empty.set()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if self._open:
-                await self._closed.wait()
+            ready = (op for op in self._pending.values() if not self._is_open(op.key))
+            batch = list(itertools.islice(ready, DRAIN_BATCH))
+            if not batch:  # every call waits for an open breaker: until one closes or more come
+                self._wake.clear()
+                await self._wake.wait()
                 continue
-            batch = list(itertools.islice(self._pending.values(), DRAIN_BATCH))
             results = await asyncio.gather(
                 *(self._apply(op) for op in batch), return_exceptions=True
             )
@@ -666,7 +705,7 @@ class ResilientQuotaBackend:
                     self.metrics.quota_queue_applied_total += 1
                 self._pending.pop((op.kind, op.key), None)
             self.metrics.quota_queue_depth = len(self._pending)
-            if failed and not self._open:
+            if failed:
                 await asyncio.sleep(self.probe_interval_s)
 
     def _give_up(self, op: _Op, error: BaseException) -> None:
@@ -725,7 +764,8 @@ class ResilientQuotaBackend:
         await self.primary.check()
 
     async def close(self) -> None:
-        for task in (self._worker, self._prober):
+        probers = [b.prober for b in self._breakers.values()]
+        for task in (self._worker, *probers):
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

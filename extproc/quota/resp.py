@@ -13,7 +13,15 @@ is read and dropped: the stream never desynchronises. The connection is replaced
 is lost (every pending call then fails with ``ConnectionError``; the caller may retry:
 the quota scripts are idempotent) or when a reply is owed and nothing at all has been
 heard for ``socket_timeout_s`` (a half-open connection: the pending calls fail with
-``TimeoutError``). Errors are redis-py's exception classes, so callers map one set.
+``TimeoutError``). A closed connection stays closed: a call on it fails at once with
+``ConnectionError`` (a Cluster or Sentinel client closes the connection of a server that is
+no longer a master, so a caller holding it retries on the new one, never on the old).
+Errors are redis-py's exception classes, so callers map one set; a Cluster's redirections
+and state errors get their own (``MovedError``, ``AskError``, ``TryAgainError``, ...).
+
+A Cluster (``extproc.quota.cluster``) keeps one such connection per master and a Sentinel
+client (``extproc.quota.sentinel``) one to the current master: every topology has this
+cost per call.
 """
 
 from __future__ import annotations
@@ -23,11 +31,22 @@ import hashlib
 import ssl
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 import hiredis
 from redis.asyncio.connection import parse_url
-from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
+from redis.exceptions import (
+    AskError,
+    AuthenticationError,
+    BusyLoadingError,
+    ClusterDownError,
+    MasterDownError,
+    MovedError,
+    NoScriptError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -51,14 +70,55 @@ def pack(args: tuple[Any, ...]) -> bytes:
     return b"".join(parts)
 
 
-def _error(reply: ResponseError) -> ResponseError:
+_ASKING = pack(("ASKING",))
+
+
+_ERRORS: tuple[tuple[str, type[Exception]], ...] = (
+    ("NOSCRIPT", NoScriptError),
+    ("TRYAGAIN", TryAgainError),
+    ("CLUSTERDOWN", ClusterDownError),
+    ("MASTERDOWN", MasterDownError),
+    ("READONLY", ReadOnlyError),
+    ("LOADING", BusyLoadingError),
+    ("WRONGPASS", AuthenticationError),
+    ("NOAUTH", AuthenticationError),
+    ("invalid password", AuthenticationError),
+    ("invalid username", AuthenticationError),
+)
+
+
+def _error(reply: ResponseError) -> Exception:
     """The redis-py exception class for an error reply, as redis-py would raise it."""
     message = str(reply)
-    if message.startswith("NOSCRIPT"):
-        return NoScriptError(message)
-    if message.startswith(("WRONGPASS", "NOAUTH", "invalid password", "invalid username")):
-        return AuthenticationError(message)
+    if message.startswith("MOVED "):
+        return MovedError(message[6:])
+    if message.startswith("ASK "):
+        return AskError(message[4:])
+    for prefix, kind in _ERRORS:
+        if message.startswith(prefix):
+            return kind(message)
     return reply
+
+
+class ScriptRunner(Protocol):
+    """What ``RedisQuotaBackend`` runs its scripts on: one server (``RespConnection``), a
+    Cluster (``ClusterConnection``) or a Sentinel-managed master (``SentinelConnection``).
+
+    ``shard_of`` names the server that serves a key now (its master's address on a
+    Cluster, ``""`` elsewhere): callers keep one circuit breaker per shard. ``probe`` says
+    whether calls for that shard may be sent again (it answers, or no key is served by it
+    any more).
+    """
+
+    async def run_script(self, script: Script, keys: list[Any], args: list[Any]) -> Any: ...
+
+    async def execute(self, *args: Any) -> Any: ...
+
+    def shard_of(self, key: str) -> str: ...
+
+    async def probe(self, shard: str) -> bool: ...
+
+    async def close(self) -> None: ...
 
 
 class Script:
@@ -146,8 +206,10 @@ class _Protocol(asyncio.Protocol):
         self._arm(now)
 
     def close(self) -> None:
+        """Drop the connection now: what is not sent is not, pending calls fail."""
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+            self.transport.abort()
+        self._fail(RedisConnectionError("connection closed by the client"))
 
 
 class RespConnection:
@@ -166,6 +228,7 @@ class RespConnection:
         connect_timeout_s: float | None = 2.0,
         socket_timeout_s: float | None = 5.0,
         retries: int = 1,
+        require_master: bool = False,
     ) -> None:
         self.host, self.port, self.path, self.db = host, port, path, db
         self.username, self.password = username, password
@@ -173,8 +236,28 @@ class RespConnection:
         self.connect_timeout_s = connect_timeout_s
         self.socket_timeout_s = socket_timeout_s
         self.retries = retries
+        # Each new connection asks ROLE and refuses a server that is not a master (Sentinel:
+        # a demoted master must never take writes that its resync will drop).
+        self.require_master = require_master
+        self.closed = False
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Future[_Protocol] | None = None
+        self.address = path if path is not None else f"{host}:{port}"
+
+    def to(self, host: str, port: int, *, require_master: bool | None = None) -> RespConnection:
+        """A connection with these settings (credentials, TLS, timeouts) to another server."""
+        return RespConnection(
+            host=host,
+            port=port,
+            db=self.db,
+            username=self.username,
+            password=self.password,
+            ssl_context=self.ssl_context,
+            connect_timeout_s=self.connect_timeout_s,
+            socket_timeout_s=self.socket_timeout_s,
+            retries=self.retries,
+            require_master=self.require_master if require_master is None else require_master,
+        )
 
     @classmethod
     def from_url(
@@ -224,15 +307,46 @@ class RespConnection:
 
     async def execute(self, *args: Any) -> Any:
         """Run one command; a lost connection is retried ``retries`` times on a new one."""
-        payload = pack(args)
+        return await self.request(pack(args))
+
+    async def request(self, payload: bytes) -> Any:
+        """Send one packed command (``pack``) and return its reply; retried as ``execute``."""
         attempt = 0
         while True:
             try:
                 return await self._send(payload)
             except RedisConnectionError:
                 attempt += 1
-                if attempt > self.retries:
+                if attempt > self.retries or self.closed:
                     raise
+
+    async def request_asking(self, payload: bytes) -> Any:
+        """``ASKING`` and the command, pipelined: a Cluster's ``ASK`` redirection."""
+        protocol = self._protocol
+        if protocol is None or protocol.lost:
+            protocol = await self._connect()
+        loop = asyncio.get_running_loop()
+        asking, future = loop.create_future(), loop.create_future()
+        protocol.send(_ASKING, asking)
+        protocol.send(payload, future)
+        try:
+            return await future
+        finally:
+            if asking.done() and not asking.cancelled():
+                asking.exception()  # retrieved: the command's own reply tells what happened
+
+    def silent_s(self) -> float:
+        """How long a reply has been owed with nothing heard (0: none owed)."""
+        protocol = self._protocol
+        if protocol is None or protocol.lost or not protocol.pending:
+            return 0.0
+        return time.monotonic() - max(protocol.sent_at[0], protocol.last_heard)
+
+    def shard_of(self, key: str) -> str:
+        return ""
+
+    async def probe(self, shard: str) -> bool:
+        return await self.execute("PING") == "PONG"
 
     async def run_script(self, script: Script, keys: list[Any], args: list[Any]) -> Any:
         try:
@@ -243,18 +357,28 @@ class RespConnection:
     async def _send(self, payload: bytes) -> Any:
         protocol = self._protocol
         if protocol is None or protocol.lost:
+            if self.closed:
+                raise RedisConnectionError(f"connection to {self.address} closed")
             protocol = await self._connect()
         future = asyncio.get_running_loop().create_future()
         protocol.send(payload, future)
         return await future
 
     async def _connect(self) -> _Protocol:
+        if self.closed:
+            raise RedisConnectionError(f"connection to {self.address} closed")
         # Concurrent callers share one connection attempt.
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._open())
         connecting = self._connecting
         try:
             return await asyncio.shield(connecting)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if connecting.cancelled() and (task is None or not task.cancelling()):
+                # The attempt was cancelled by ``close``, not this caller: a lost connection.
+                raise RedisConnectionError(f"connection to {self.address} closed") from None
+            raise
         finally:
             if connecting.done() and self._connecting is connecting:
                 self._connecting = None
@@ -286,6 +410,9 @@ class RespConnection:
             raise RedisConnectionError(f"TLS to Redis failed: {exc}") from exc
         except OSError as exc:
             raise RedisConnectionError(f"cannot connect to Redis: {exc}") from exc
+        if self.closed:  # closed while connecting
+            protocol.close()
+            raise RedisConnectionError(f"connection to {self.address} closed")
         self._protocol = protocol
         return protocol
 
@@ -296,14 +423,24 @@ class RespConnection:
             commands.append(("AUTH", *user, self.password))
         if self.db:
             commands.append(("SELECT", self.db))
+        if self.require_master:
+            commands.append(("ROLE",))
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in commands]
         for command, future in zip(commands, futures, strict=True):
             protocol.send(pack(command), future)
         for future in futures:
             await future
+        if self.require_master and futures[-1].result()[0] != "master":
+            raise ReadOnlyError(f"{self.address} is not a master (ROLE)")
 
     async def close(self) -> None:
+        """Close for good: pending calls fail with ``ConnectionError``, later ones too."""
+        self.abort()
+
+    def abort(self) -> None:
+        """``close`` without awaiting (nothing in it waits)."""
+        self.closed = True
         if self._connecting is not None:
             self._connecting.cancel()
             self._connecting = None

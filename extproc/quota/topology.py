@@ -11,45 +11,44 @@ URL forms (``redis_url``)::
 ``sentinel_password`` (the sentinels' own AUTH, Sentinel only), ``ssl_cert_reqs``
 (``none``/``optional``/``required``) and ``ssl_ca_certs`` (TLS forms only).
 
-Cluster and Sentinel run the quota scripts on redis-py's own clients
-(``RedisCluster``; ``Sentinel.master_for``), which follow MOVED/ASK and failovers;
-``ClientScripts`` gives them the ``RespConnection`` interface the backend calls.
+The quota scripts run on the same pipelined connection as on one server
+(``extproc.quota.resp``): one per master on a Cluster (``extproc.quota.cluster``: slot map,
+MOVED/ASK, re-read on failover), one to the master the sentinels name
+(``extproc.quota.sentinel``: fenced while a failover is in progress). redis-py's clients
+(``build_client``: ``RedisCluster``, ``Sentinel.master_for``) remain the backend's
+``client`` for the calls off the hot path (the orphan reconciler's pipelines).
 
 Deadlines. Each quota call is bounded by the backend's ``command_timeout_s`` (an outer
-``asyncio.timeout``); redis-py's retries happen inside it. redis-py only re-reads the
-topology when *it* sees a connection error or a socket timeout, never when the outer
-deadline cancels it: so the socket timeout is set below the deadline (half of it), or a
-stopped (SIGSTOP) master would hold its slots' calls until each deadline forever instead
-of the client moving to the promoted replica. A retry after an outcome-unknown error is
-safe: every script is idempotent on its record key (and ``seq``), and the record is
-written by the same script, replicated with it, as the charge.
+``asyncio.timeout``); redirections and the one retry on a new master happen inside it. The
+connections' socket timeout is set below the deadline (half of it), so that a stopped
+(SIGSTOP) master's calls fail as timeouts, which make it suspect and the topology be read
+again. A retry after an outcome-unknown error is safe: every script is idempotent on its
+record key (and ``seq``), and the record is written by the same script, replicated with
+it, as the charge.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import itertools
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 from urllib.parse import parse_qsl, unquote
 
 import redis.asyncio as aioredis
-import structlog
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.quota.base import SETTLED_TTL_S, LedgerSettings
+from extproc.quota.cluster import ClusterConnection
 from extproc.quota.redis_backend import RedisQuotaBackend
-from extproc.quota.resp import Script
-
-log = structlog.get_logger("extproc.topology")
+from extproc.quota.resp import RespConnection
+from extproc.quota.sentinel import CHECK_S as SENTINEL_CHECK_S
+from extproc.quota.sentinel import SentinelConnection
+from extproc.quota.slots import Address
 
 TopologyKind = Literal["single", "cluster", "sentinel"]
 
@@ -59,11 +58,10 @@ _SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 _TLS_OPTIONS = frozenset({"ssl_cert_reqs", "ssl_ca_certs"})
 _SENTINEL_OPTIONS = frozenset({"sentinel_username", "sentinel_password"})
 _CERT_REQS = ("none", "optional", "required")
-# redis-py's own retries inside one call (the deadline bounds them all): a few quick ones,
-# so a call that lands in the seconds of a failover gets the new master when it is ready.
+# redis-py's own retries inside one call of its client (the reconciler's): a few quick
+# ones, so a call that lands in the seconds of a failover gets the new master when ready.
 CLIENT_RETRIES = 3
 _BACKOFF = ExponentialWithJitterBackoff(base=0.02, cap=0.2)
-SENTINEL_CHECK_S = 0.1  # how often a Sentinel client re-asks which server is the master
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,143 +190,9 @@ def seeds_to_url(seeds: Sequence[Any]) -> str:
     return f"{schemes.pop()}+cluster://{credentials.pop()}{','.join(hosts)}"
 
 
-class ScriptRunner(Protocol):
-    """What ``RedisQuotaBackend`` calls its ``scripts`` (``RespConnection`` has it)."""
-
-    async def run_script(self, script: Script, keys: list[Any], args: list[Any]) -> Any: ...
-
-    async def execute(self, *args: Any) -> Any: ...
-
-    async def close(self) -> None: ...
-
-
-class ClientScripts:
-    """The ``scripts`` interface on a redis-py client (``RedisCluster`` or a Sentinel master).
-
-    EVALSHA, and on NOSCRIPT (a promoted replica that never saw the script, a restarted
-    node) EVAL. The cluster client routes both by their keys' slot (all keys of a script
-    share the tenant's hash tag; redis-py refuses keys of different slots). The client
-    is the backend's own and is closed by it, not here.
-    """
-
-    def __init__(
-        self, client: aioredis.Redis | RedisCluster, master_check_s: float | None = None
-    ) -> None:
-        self.client = client
-        self._cluster = isinstance(client, RedisCluster)
-        # Sentinel only: how often to ask the sentinels which server is the master.
-        self._master_check_s = master_check_s
-        self._watcher: asyncio.Task[None] | None = None
-        self.fenced = False  # a Sentinel failover is under way: calls fail at once
-        self.fences = 0  # failovers fenced so far
-
-    async def run_script(self, script: Script, keys: list[Any], args: list[Any]) -> Any:
-        try:
-            return await self._command("EVALSHA", script.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await self._command("EVAL", script.text, len(keys), *keys, *args)
-
-    async def execute(self, *args: Any) -> Any:
-        if args and str(args[0]).upper() == "PING":
-            # redis-py parses PONG into True; on a cluster every master must answer (the
-            # breaker's probe: a master without a promoted replica still fails calls).
-            if self._cluster:
-                await self._command("PING", target_nodes=RedisCluster.PRIMARIES)
-            else:
-                await self._command("PING")
-            return "PONG"
-        return await self._command(*args)
-
-    async def _command(self, *args: Any, **options: Any) -> Any:
-        if self._master_check_s is not None and self._watcher is None:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch_master())
-        if self.fenced:
-            raise RedisConnectionError("Sentinel failover in progress")
-        for attempt in itertools.count():
-            try:
-                return await self.client.execute_command(*args, **options)
-            except (AttributeError, TypeError) as exc:
-                # redis-py 8.1's asyncio write path leaks these for a connection closed
-                # under it (a failover's reconnects; redis/redis-py#4287, #3546) instead of
-                # ConnectionError. The outcome is unknown as for any lost connection, and
-                # the scripts are idempotent: retry (the deadline bounds it), then give up.
-                if attempt >= CLIENT_RETRIES:
-                    raise RedisConnectionError(
-                        f"connection closed under the call: {exc!r}"
-                    ) from exc
-        raise AssertionError("unreachable")
-
-    async def _watch_master(self) -> None:
-        """Follow Sentinel's view of the master; fence the calls while it fails over.
-
-        Sentinel's failover is not coordinated with clients: after the replica is promoted
-        the old master stays a master until Sentinel reconfigures it (seconds; never while
-        it is cut off), and redis-py keeps using pooled connections to it: what is written
-        there is lost when it resyncs from the new master. redis-py asks Sentinel only when
-        it opens a connection, and asks whichever sentinel comes first, which may not know
-        of the failover yet. So every ``master_check_s`` all sentinels are asked:
-
-        * while any reports ``failover_in_progress`` (set before the replica is promoted),
-          every connection is dropped and calls fail at once (``QuotaUnavailable``, as any
-          unreachable Redis): a short 503 window instead of charges lost without a trace;
-        * the master with the highest config epoch wins and its sentinel goes first (new
-          connections ask it); when the master changes, every connection is dropped again.
-
-        A call cut off by a drop fails with ConnectionError and is retried (idempotent).
-        """
-        assert self._master_check_s is not None
-        pool: SentinelConnectionPool = self.client.connection_pool  # type: ignore[assignment]
-        manager = pool.sentinel_manager
-        known: tuple[str, int] | None = None
-
-        async def state(sentinel: Any) -> tuple[int, tuple[str, int], bool, Any] | None:
-            try:
-                async with asyncio.timeout(self._master_check_s * 4):  # type: ignore[operator]
-                    masters = await sentinel.sentinel_masters()
-            except (RedisError, OSError, TimeoutError):
-                return None
-            found = masters.get(pool.service_name)
-            if not found:
-                return None
-            failing_over = "failover_in_progress" in str(found.get("flags", ""))
-            if not failing_over and not manager.check_master_state(found, pool.service_name):
-                return None
-            epoch = int(found.get("config-epoch", 0))
-            return epoch, (found["ip"], int(found["port"])), failing_over, sentinel
-
-        while True:
-            await asyncio.sleep(self._master_check_s)
-            answers = [a for a in await asyncio.gather(*map(state, manager.sentinels)) if a]
-            if not answers:
-                continue  # no sentinel answers now: keep what we have
-            if any(a[2] for a in answers):
-                if not self.fenced:
-                    log.warning("sentinel_failover_fenced", master=known)
-                    self.fenced = True
-                    self.fences += 1
-                    await pool.disconnect(inuse_connections=True)
-                continue
-            _, address, _, sentinel = max(answers, key=lambda a: a[0])
-            manager.sentinels.remove(sentinel)
-            manager.sentinels.insert(0, sentinel)
-            if known is not None and address != known:
-                log.warning("sentinel_master_changed", old=known, new=address)
-                pool.master_address = address
-                await pool.disconnect(inuse_connections=True)
-            known = address
-            self.fenced = False
-
-    async def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
-            self._watcher = None
-
-
 def _socket_timeout(socket_timeout_s: float | None, command_timeout_s: float | None) -> float:
-    # Below the call's deadline, so redis-py sees a stuck node itself and re-reads the
-    # topology (see the module docstring).
+    # Below the call's deadline: a stuck (SIGSTOPped) master's calls fail as timeouts, which
+    # make it suspect and the slot map / the sentinels be read again (see the docstring).
     candidates = [t for t in (socket_timeout_s, (command_timeout_s or 0) / 2) if t]
     return min(candidates) if candidates else 5.0
 
@@ -346,6 +210,14 @@ def _tls_options(topology: Topology, extra: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+def _check_options(topology: Topology, connection_options: dict[str, Any]) -> None:
+    if topology.kind == "single":
+        raise ValueError("a single server uses RedisQuotaBackend.from_url")
+    unknown = sorted(k for k in connection_options if not k.startswith("ssl_"))
+    if unknown:
+        raise TypeError(f"unexpected options for a {topology.kind}: {', '.join(unknown)}")
+
+
 def build_client(
     topology: Topology,
     *,
@@ -357,12 +229,9 @@ def build_client(
     command_timeout_s: float | None = None,
     **connection_options: Any,
 ) -> aioredis.Redis | RedisCluster:
-    """redis-py's client for a cluster or a Sentinel-managed master (decoded replies)."""
-    if topology.kind == "single":
-        raise ValueError("a single server uses RedisQuotaBackend.from_url")
-    unknown = sorted(k for k in connection_options if not k.startswith("ssl_"))
-    if unknown:
-        raise TypeError(f"unexpected options for a {topology.kind}: {', '.join(unknown)}")
+    """redis-py's client for a cluster or a Sentinel-managed master (decoded replies): what
+    the backend's ``client`` is, for the calls off the hot path (the orphan reconciler)."""
+    _check_options(topology, connection_options)
     timeout = _socket_timeout(socket_timeout_s, command_timeout_s)
     connect = min(connect_timeout_s, timeout)
     common: dict[str, Any] = {
@@ -408,6 +277,69 @@ def build_client(
     )
 
 
+def _url(topology: Topology, host: str, port: int, db: int = 0) -> str:
+    scheme = "rediss" if topology.tls else "redis"
+    where = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{where}:{port}/{db}"
+
+
+def build_scripts(
+    topology: Topology,
+    *,
+    password: str | None = None,
+    username: str | None = None,
+    socket_timeout_s: float | None = 5.0,
+    connect_timeout_s: float = 2.0,
+    command_timeout_s: float | None = None,
+    connection_retries: int | None = None,
+    on_master_change: Callable[[Address | None], Awaitable[None]] | None = None,
+    **connection_options: Any,
+) -> ClusterConnection | SentinelConnection:
+    """The quota scripts' pipelined connection(s) to a cluster or a Sentinel-managed master."""
+    _check_options(topology, connection_options)
+    timeout = _socket_timeout(socket_timeout_s, command_timeout_s)
+    tls = {k: v for k, v in _tls_options(topology, connection_options).items() if k != "ssl"}
+    settings: dict[str, Any] = {
+        "connect_timeout_s": min(connect_timeout_s, timeout),
+        "socket_timeout_s": timeout,
+        "retries": 1 if connection_retries is None else connection_retries,
+        **tls,
+    }
+    host, port = topology.nodes[0]
+    template = RespConnection.from_url(
+        _url(topology, host, port, topology.db),
+        username=username if username is not None else topology.username,
+        password=password if password is not None else topology.password,
+        **settings,
+    )
+    if topology.kind == "cluster":
+        return ClusterConnection(topology.nodes, template, refresh_timeout_s=timeout)
+    sentinels = [
+        RespConnection.from_url(
+            _url(topology, h, p),
+            username=topology.options.get("sentinel_username"),
+            password=topology.options.get("sentinel_password"),
+            **settings,
+        )
+        for h, p in topology.nodes
+    ]
+    assert topology.service is not None
+    return SentinelConnection(
+        sentinels, topology.service, template, check_s=SENTINEL_CHECK_S, on_change=on_master_change
+    )
+
+
+def _follow_master(client: aioredis.Redis) -> Callable[[Address | None], Awaitable[None]]:
+    """redis-py's Sentinel pool drops its connections when the master changes or a failover
+    is fenced (the reconciler's calls then ask the sentinels again, as redis-py does)."""
+    pool: SentinelConnectionPool = client.connection_pool  # type: ignore[assignment]
+
+    async def changed(address: Address | None) -> None:
+        await pool.disconnect(inuse_connections=True)
+
+    return changed
+
+
 def backend_for(
     topology: Topology,
     *,
@@ -417,21 +349,43 @@ def backend_for(
     ledger: LedgerSettings | None = None,
     pool_timeout_s: float | None = None,
     connection_retries: int | None = None,
-    **client_options: Any,
+    password: str | None = None,
+    username: str | None = None,
+    max_connections: int = 64,
+    socket_timeout_s: float | None = 5.0,
+    connect_timeout_s: float = 2.0,
+    **connection_options: Any,
 ) -> RedisQuotaBackend:
-    """``RedisQuotaBackend`` on a cluster or Sentinel client (``from_url``'s options).
-
-    ``pool_timeout_s`` and ``connection_retries`` belong to the single-server connection
-    and are ignored here: redis-py's pools and ``CLIENT_RETRIES`` serve these topologies.
-    """
-    del pool_timeout_s, connection_retries
-    client = build_client(topology, command_timeout_s=command_timeout_s, **client_options)
+    """``RedisQuotaBackend`` on a cluster or a Sentinel-managed master (``from_url``'s
+    options). The scripts run on pipelined connections (``build_scripts``); redis-py's
+    client (``build_client``; ``max_connections`` bounds its pools, ``pool_timeout_s`` is
+    unused) serves the calls off the hot path."""
+    del pool_timeout_s
+    credentials = {"password": password, "username": username}
+    timeouts = {
+        "socket_timeout_s": socket_timeout_s,
+        "connect_timeout_s": connect_timeout_s,
+        "command_timeout_s": command_timeout_s,
+    }
+    client = build_client(
+        topology, max_connections=max_connections, **credentials, **timeouts,
+        **connection_options,
+    )  # fmt: skip
+    follow = None
+    if topology.kind == "sentinel":
+        assert isinstance(client, aioredis.Redis)
+        follow = _follow_master(client)
+    scripts = build_scripts(
+        topology,
+        connection_retries=connection_retries,
+        on_master_change=follow,
+        **credentials,
+        **timeouts,
+        **connection_options,
+    )
     return RedisQuotaBackend(
         client,  # type: ignore[arg-type]  # RedisCluster has the Redis commands it uses
-        # the RespConnection interface
-        ClientScripts(  # type: ignore[arg-type]
-            client, SENTINEL_CHECK_S if topology.kind == "sentinel" else None
-        ),
+        scripts,
         command_timeout_s=command_timeout_s,
         owner_id=owner_id,
         settled_ttl_s=settled_ttl_s,

@@ -8,11 +8,21 @@ import signal
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import (
+    AskError,
+    BusyLoadingError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from extproc.quota.resp import RespConnection, Script, pack
+from extproc.quota.resp import RespConnection, Script, _error, pack
 from tests.support.redis_server import RedisServer
 
 ECHO = Script("return {KEYS[1], ARGV[1]}")
@@ -97,5 +107,81 @@ async def test_a_script_the_server_forgot_is_loaded_again(redis_server: RedisSer
         assert await conn.execute("SCRIPT", "FLUSH") == "OK"
         assert await conn.run_script(ECHO, ["b"], [2]) == ["b", "2"]
         assert await conn.execute("SCRIPT", "EXISTS", ECHO.sha) == [1]
+    finally:
+        await conn.close()
+
+
+def test_cluster_and_state_error_replies_get_redis_pys_classes() -> None:
+    moved = _error(ResponseError("MOVED 3999 127.0.0.1:6381"))
+    assert isinstance(moved, MovedError)
+    assert (moved.slot_id, moved.host, moved.port) == (3999, "127.0.0.1", 6381)
+    ask = _error(ResponseError("ASK 12 10.0.0.2:7000"))
+    assert isinstance(ask, AskError) and not isinstance(ask, MovedError)
+    assert ask.node_addr == ("10.0.0.2", 7000)
+    for message, kind in (
+        ("TRYAGAIN Multiple keys request during rehashing of slot", TryAgainError),
+        ("CLUSTERDOWN The cluster is down", ClusterDownError),
+        ("READONLY You can't write against a read only replica.", ReadOnlyError),
+        ("LOADING Redis is loading the dataset in memory", BusyLoadingError),
+        ("NOSCRIPT No matching script.", NoScriptError),
+    ):
+        assert isinstance(_error(ResponseError(message)), kind), message
+    plain = ResponseError("ERR wrong number of arguments")
+    assert _error(plain) is plain
+
+
+@pytest.mark.timeout(60)
+async def test_closing_a_connection_fails_a_caller_waiting_for_its_connect(
+    tmp_path: Path,
+) -> None:
+    """The caller whose connection attempt is under way when the connection is closed (a
+    Sentinel fence, a master leaving a Cluster) gets ``ConnectionError``, not a
+    ``CancelledError`` that would end its task (a breaker's prober did, and the breaker
+    stayed open for good)."""
+    server = RedisServer.start(tmp_path)
+    os.kill(server.pid, signal.SIGSTOP)  # TCP connects; the AUTH of the handshake waits
+    conn = RespConnection.from_url(server.url, password="pw", connect_timeout_s=30)
+    try:
+        call = asyncio.create_task(conn.execute("PING"))
+        await asyncio.sleep(0)  # the call is now waiting for the connection attempt
+        assert conn._connecting is not None
+        await conn.close()
+        with pytest.raises(RedisConnectionError):
+            await call
+        with pytest.raises(RedisConnectionError):  # closed for good: no new connection
+            await conn.execute("PING")
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        await conn.close()
+        server.stop()
+
+
+async def test_a_connection_that_requires_a_master_refuses_a_replica(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    replica = RedisServer.start(tmp_path / "replica")
+    plain = aioredis.Redis(port=replica.port, decode_responses=True)
+    master = RespConnection.from_url(redis_server.url).to(
+        "127.0.0.1", redis_server.port, require_master=True
+    )
+    conn = RespConnection.from_url(replica.url).to("127.0.0.1", replica.port, require_master=True)
+    try:
+        assert await master.execute("PING") == "PONG"
+        await plain.replicaof("127.0.0.1", redis_server.port)
+        with pytest.raises(ReadOnlyError):
+            await conn.execute("PING")
+    finally:
+        await master.close()
+        await conn.close()
+        await plain.aclose()
+        replica.stop()
+
+
+async def test_asking_is_pipelined_before_the_command(redis_server: RedisServer) -> None:
+    """Outside a cluster ASKING is an error reply; the command's own reply comes back."""
+    conn = RespConnection.from_url(redis_server.url)
+    try:
+        assert await conn.request_asking(pack(("ECHO", "after-asking"))) == "after-asking"
+        assert await conn.execute("ECHO", "next") == "next"
     finally:
         await conn.close()

@@ -31,9 +31,12 @@ from extproc.quota.base import AdmitRequest, Counter, QuotaUnavailable, Settleme
 from extproc.quota.factory import backend_from_url
 from extproc.quota.orphans import Liveness
 from extproc.quota.redis_backend import RedisQuotaBackend
-from extproc.quota.resilient import Resilience, ResilientQuotaBackend
+from extproc.quota.resilient import CircuitOpen, Resilience, ResilientQuotaBackend
+from extproc.quota.resp import Script
+from extproc.quota.slots import key_slot
 from extproc.quota.topology import parse_redis_url, seeds_to_url
 from tests.quota.conftest import FakeClock
+from tests.support.procs import free_port
 from tests.support.redis_cluster import Node, RedisClusterSet, SentinelSet, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -278,6 +281,75 @@ async def test_a_dead_processors_open_records_are_settled_by_a_peer_on_a_cluster
         await b.close()
 
 
+async def test_key_slots_are_the_ones_the_cluster_computes(
+    shared_cluster: RedisClusterSet,
+) -> None:
+    node = shared_cluster.live_nodes()[0].client()
+    samples = [
+        keys.reservation_key("acme", "r-1"),
+        keys.counter_key("tenant é/ü", "tpm", "gpt-4.1", 60),
+        keys.heartbeat_key("proc-a"),
+        "plain-key",
+        "{}empty-tag",  # an empty tag is no tag: the whole key
+        "a{b}{c}",  # the first tag counts
+        "x{y",  # no closing brace: the whole key
+        "{{double}}",
+    ]
+    for key in samples:
+        assert key_slot(key) == node.execute_command("CLUSTER KEYSLOT", key), key
+
+
+async def test_a_slot_moved_to_another_master_is_followed_through_ask_and_moved(
+    shared_cluster: RedisClusterSet, cluster_backend: RedisQuotaBackend
+) -> None:
+    """A live resharding of one tenant's slot from master A to master B. While the slot is
+    migrating, a one-key script whose key A does not hold is answered ASK and runs on B
+    (ASKING first); a quota script for a tenant that has no key yet is refused TRYAGAIN by
+    both (a multi-key script cannot run while its keys may be split) and charges nothing.
+    Once the slot is B's, A answers MOVED and the map points the slot at B."""
+    masters = shared_cluster.tenants_on_masters(per_master=1, stem="mv")
+    (source, (tenant,)), (target, _) = list(masters.items())[:2]
+    slot = key_slot(keys.tenant_tag(tenant))
+    twin = next(  # another tenant of the same slot, with no key anywhere yet
+        name
+        for i in itertools.count()
+        if key_slot(keys.tenant_tag(name := f"twin{next(_ids)}-{i}")) == slot
+    )
+    a, b = shared_cluster.node(source).client(), shared_cluster.node(target).client()
+    counter, twin_counter = counter_of(tenant), counter_of(twin)
+    first = keys.reservation_key(tenant, f"r-{next(_ids)}")
+    assert (await cluster_backend.admit(AdmitRequest(first, (), (counter,), 100))).admitted
+    assert cluster_backend.shard_of(first) == f"127.0.0.1:{source}"
+
+    a_id, b_id = a.execute_command("CLUSTER MYID"), b.execute_command("CLUSTER MYID")
+    b.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", a_id)
+    a.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", b_id)
+
+    def held(node: redis.Redis) -> set[str]:
+        return set(node.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000))
+
+    marker = keys.tenant_tag(twin) + ":marker"
+    one_key = Script("return redis.call('SET', KEYS[1], ARGV[1])")
+    assert await cluster_backend._scripts.run_script(one_key, [marker], ["asked"]) == "OK"
+    assert marker in held(b) and marker not in held(a)  # ran on the importing master
+    assert cluster_backend.shard_of(marker) == f"127.0.0.1:{source}"  # ASK: that call only
+    refused = keys.reservation_key(twin, f"r-{next(_ids)}")
+    with pytest.raises(QuotaUnavailable, match=r"TRYAGAIN|no answer"):
+        await cluster_backend.admit(AdmitRequest(refused, (), (twin_counter,), 30))
+    assert refused not in held(a) | held(b)
+
+    moving = a.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000)
+    a.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *moving)
+    for port in (target, source, *(p for p in masters if p not in (source, target))):
+        shared_cluster.node(port).client().execute_command("CLUSTER SETSLOT", slot, "NODE", b_id)
+    settlement = await cluster_backend.settle(first, (counter,), 90)
+    assert (settlement.reserved, settlement.used, settlement.refunded) == (100, 90, 10)
+    assert cluster_backend.shard_of(first) == f"127.0.0.1:{target}"  # MOVED updated the map
+    assert total_on(b, counter) == 90 and total_on(a, counter) == 0
+    assert (await cluster_backend.admit(AdmitRequest(refused, (), (twin_counter,), 30))).admitted
+    assert total_on(b, twin_counter) == 30
+
+
 # -- failover under load -----------------------------------------------------------------
 
 
@@ -360,6 +432,7 @@ class Audit:
     settlements_lost: int
     tokens_lost: int
     fences: int = 0  # Sentinel failovers the client fenced
+    others_unavailable: int = 0  # 503s of tenants whose master did not fail
 
 
 async def run_failover(
@@ -411,15 +484,16 @@ async def run_failover(
         await auditor.close()
     failures = [at for at, _, kind in load.events if kind == "unavailable"]
     audit.unavailable = len(failures)
+    audit.others_unavailable = sum(
+        1 for _, t, kind in load.events if kind == "unavailable" and t not in affected
+    )
     audit.fences = getattr(scripts, "fences", 0)
     audit.unavailable_window_s = (max(failures) - min(failures)) if failures else 0.0
     report = {
         "admissions": len(load.events),
         "unavailable_503": audit.unavailable,
-        # Tenants of the masters that did not fail: the breaker is one per backend.
-        "unavailable_503_other_masters": sum(
-            1 for _, t, kind in load.events if kind == "unavailable" and t not in affected
-        ),
+        # Tenants of the masters that did not fail (one breaker per master).
+        "unavailable_503_other_masters": audit.others_unavailable,
         "unavailable_window_s": round(audit.unavailable_window_s, 3),
         "failover_observed_s": round(failed_over - started, 3),
         "slowest_admission_s": round(load.slowest_s, 3),
@@ -491,6 +565,54 @@ def cluster_reader(cluster: RedisClusterSet) -> Callable[[Counter], int]:
     return read
 
 
+@pytest.mark.slow
+async def test_a_dead_masters_breaker_stops_only_the_tenants_of_its_slots(
+    cluster: RedisClusterSet,
+) -> None:
+    """One breaker per master: three failures on the SIGKILLed master open its breaker
+    alone; the other masters' tenants are admitted meanwhile. Once its replica is promoted
+    the dead master's tenants are admitted by the new master, and the old breaker closes
+    (no slot is served there any more)."""
+    by_master = cluster.tenants_on_masters(per_master=1, stem="brk")
+    victim = next(iter(by_master))
+    dead = by_master[victim][0]
+    others = [ts[0] for port, ts in by_master.items() if port != victim]
+    backend = backend_from_url(
+        cluster.url,
+        command_timeout_s=DEADLINE_S,
+        resilience=Resilience(failures=3, probe_interval_s=0.05),
+        metrics=Metrics(),
+    )
+    assert isinstance(backend, ResilientQuotaBackend)
+
+    def request(tenant: str) -> AdmitRequest:
+        key = keys.reservation_key(tenant, f"b-{next(_ids)}")
+        return AdmitRequest(key, (counter_of(tenant),), (), 0)
+
+    try:
+        for tenant in [dead, *others]:
+            assert (await backend.admit(request(tenant))).admitted
+        cluster.node(victim).kill()
+        for _ in range(3):
+            with pytest.raises(QuotaUnavailable) as info:
+                await backend.admit(request(dead))
+            assert not isinstance(info.value, CircuitOpen)
+        with pytest.raises(CircuitOpen):
+            await backend.admit(request(dead))
+        assert backend.open_shards() == [f"127.0.0.1:{victim}"]
+        for tenant in others * 5:
+            assert (await backend.admit(request(tenant))).admitted
+        assert backend.open_shards() == [f"127.0.0.1:{victim}"]
+
+        await asyncio.to_thread(cluster.wait_master_changed, victim)
+        verdict = await until_answered(lambda: backend.admit(request(dead)))
+        assert verdict.admitted and not verdict.local
+        assert backend.primary.shard_of(request(dead).reservation_key) != f"127.0.0.1:{victim}"
+        await asyncio.to_thread(wait_for, lambda: not backend.breaker_open, "breaker closed")
+    finally:
+        await backend.close()
+
+
 @pytest.mark.parametrize("how", ["graceful", "sigkill", "sigstop"])
 async def test_cluster_master_failover_under_load_charges_no_token_twice(
     cluster: RedisClusterSet, how: str, record_property: Callable[[str, object], None]
@@ -519,6 +641,7 @@ async def test_cluster_master_failover_under_load_charges_no_token_twice(
         f"cluster-{how}",
     )
     assert audit.admitted > 100
+    assert audit.others_unavailable == 0  # the other masters' tenants never noticed
     if how == "graceful":
         # CLUSTER FAILOVER waits for the replica to catch up: nothing acknowledged is lost.
         assert (audit.records_lost, audit.settlements_lost) == (0, 0)
@@ -549,8 +672,10 @@ async def test_sentinel_master_failover_under_load_charges_no_token_twice(
                 lambda: old.client().execute_command("ROLE")[0] == "slave", "old master demoted"
             )
 
+    # The first sentinel named is not running: the others are asked all the same.
+    url = sentinel.url.replace("://", f"://127.0.0.1:{free_port()},", 1)
     audit = await run_failover(
-        sentinel.url,
+        url,
         tenants,
         tenants,
         fail_over,

@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 
+from extproc.quota.keys import tenant_tag
 from loadlab.redis_server import REDIS_SERVER, accepts_connections
 from tests.support.procs import ManagedProcess, free_port
 
@@ -123,6 +124,9 @@ class RedisClusterSet:
                             "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
                             # A replica may be promoted however long its link was down.
                             "--cluster-replica-validity-factor", "0",
+                            # The other masters keep serving their slots while one is
+                            # failed (the default, yes, refuses every slot meanwhile).
+                            "--cluster-require-full-coverage", "no",
                         ],
                     )
                 )  # fmt: skip
@@ -171,10 +175,13 @@ class RedisClusterSet:
         raise RuntimeError("no live cluster node answers")
 
     def _all_ok(self) -> bool:
-        return all(
-            n.client().execute_command("CLUSTER INFO")["cluster_state"] == "ok"
-            for n in self.live_nodes()
-        )
+        """Every live node says the cluster is ok and every slot served by a live master
+        (with ``cluster-require-full-coverage no`` the state stays ok without the latter)."""
+
+        def ok(info: dict[str, Any]) -> bool:
+            return info["cluster_state"] == "ok" and int(info["cluster_slots_ok"]) == 16384
+
+        return all(ok(n.client().execute_command("CLUSTER INFO")) for n in self.live_nodes())
 
     def wait_healthy(self, masters: int = 3, timeout_s: float = 60.0) -> None:
         """``cluster_state:ok`` on every live node, ``masters`` masters with slots."""
@@ -214,8 +221,23 @@ class RedisClusterSet:
                     return int(master[1])
         raise RuntimeError(f"no master holds slot {slot}")
 
+    def tenants_on_masters(
+        self, per_master: int = 2, stem: str = "tenant-"
+    ) -> dict[int, list[str]]:
+        """Tenant names (``<stem><i>``) whose hash tags land on each master, ``per_master``
+        each (checked with CLUSTER KEYSLOT / SLOTS)."""
+        by_master: dict[int, list[str]] = {port: [] for port in self.topology()}
+        i = 0
+        while any(len(v) < per_master for v in by_master.values()):
+            tenant = f"{stem}{i}"
+            i += 1
+            found = by_master.setdefault(self.master_of(tenant_tag(tenant)), [])
+            if len(found) < per_master:
+                found.append(tenant)
+        return by_master
+
     def wait_master_changed(self, old_port: int, timeout_s: float = 60.0) -> int:
-        """The new master of ``old_port``'s former slots, once the cluster agrees on it."""
+        """Once ``old_port``'s former slots are served by a new master, every node agreeing."""
 
         def changed() -> bool:
             return old_port not in self.topology() and self._all_ok()
