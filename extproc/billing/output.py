@@ -154,12 +154,12 @@ class OutputCount:
         choices = chunk.get("choices")
         usage = chunk.get("usage")
         if not choices:
-            if "error" in chunk:
-                self.error = True
             if type(usage) is dict:
                 self._report(usage, None)
-                return USAGE_ONLY
-            return 0
+            if "error" in chunk:
+                self.error = True  # an error the client must see, usage or not
+                return 0
+            return USAGE_ONLY if type(usage) is dict else 0
         self.last_chunk = chunk
         if type(choices) is not list:
             if type(choices) is not dict:

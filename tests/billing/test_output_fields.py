@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.billing.output import pieces
+from extproc.billing.output import USAGE_ONLY, OutputCount, pieces
+from extproc.tokens.registry import TokenizerRegistry
 
 CALL = {"index": 0, "function": {"name": "get_weather", "arguments": '{"ci'}}
 
@@ -78,3 +79,33 @@ CALL = {"index": 0, "function": {"name": "get_weather", "arguments": '{"ci'}}
 )  # fmt: skip
 def test_billable_text_of_a_choice(choice: dict, found: list) -> None:
     assert pieces(choice) == found
+
+
+def count() -> OutputCount:
+    tokenizer = TokenizerRegistry.from_config(
+        [{"match": "gpt-4.1", "tokenizer": "o200k_base"}]
+    ).counter_for("gpt-4.1")
+    return OutputCount(tokenizer)
+
+
+def chunk(index: int, text: str, running: int | None = None) -> dict:
+    event: dict = {"choices": [{"index": index, "delta": {"content": text}}]}
+    if running is not None:
+        event["usage"] = {"prompt_tokens": 5, "completion_tokens": running}
+    return event
+
+
+def test_running_usage_per_choice_is_summed_and_only_raises() -> None:
+    out = count()
+    assert out.feed(chunk(0, " hello", 40)) == 40
+    assert out.feed(chunk(1, " hello", 30)) == 30  # another choice's own count: added
+    assert out.feed(chunk(0, " hello", 0)) == 0  # a lower figure lowers nothing
+    assert out.total == 70 and out.usage == (5, 70, 0)
+    assert out.feed(chunk(0, " hello" * 80)) == 83 - 70  # the text passes the running sum
+
+
+def test_a_usage_only_event_is_reported_as_such_unless_it_carries_an_error() -> None:
+    out = count()
+    usage = {"prompt_tokens": 5, "completion_tokens": 3}
+    assert out.feed({"choices": [], "usage": usage}) == USAGE_ONLY
+    assert out.feed({"error": {"message": "x"}, "usage": usage}) == 0 and out.error

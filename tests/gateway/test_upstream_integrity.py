@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import json
 import math
 import threading
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,10 +22,10 @@ import orjson
 import pytest
 import redis
 
-from extproc.tokens.encodings import load_tokenizer
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
 from tests.gateway.conftest import WINDOW_S, tenant_key, write_processor_config
+from tests.support.client_view import O200K, delivered
 from tests.support.gateway import Gateway, start_gateway, wait_until
 from tests.support.quota_views import counter_total, ledger, ledger_net
 from tests.support.redis_server import RedisServer
@@ -47,7 +45,6 @@ MODELS = {
     },
 }
 MESSAGES = [{"role": "user", "content": "Say something."}]
-O200K = load_tokenizer("o200k_base")
 PROMPT = count_prompt_tokens(
     {"messages": MESSAGES},
     TokenizerRegistry.from_config([{"match": "gpt-4.1", "tokenizer": "o200k_base"}]).counter_for(
@@ -129,98 +126,6 @@ def gateway(
     gw = start_gateway(config, workdir, [upstream.port])
     yield gw
     gw.stop()
-
-
-# -- what a client reads --------------------------------------------------------------------
-
-
-def _key(value: Any) -> str:
-    return json.dumps(value, sort_keys=True)
-
-
-def readable(doc: Any, streams: dict[tuple[str, ...], str]) -> None:
-    """Add the generated text of one chunk or completion to ``streams``, per choice and
-    field, as a client accumulating the answer does (openai's ChatCompletionStreamState)."""
-    if not isinstance(doc, dict):
-        return
-    choices = doc.get("choices")
-    if isinstance(choices, dict):
-        choices = list(choices.values())
-    if not isinstance(choices, list):
-        return
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
-        i = _key(choice.get("index", 0))
-
-        def add(field: str, value: Any, i: str = i) -> None:
-            if isinstance(value, str):
-                streams[(i, field)] += value
-
-        add("content", choice.get("text"))
-        for side in ("delta", "message"):
-            part = choice.get(side)
-            if not isinstance(part, dict):
-                continue
-            content = part.get("content")
-            for piece in content if isinstance(content, list) else [content]:
-                if isinstance(piece, dict):
-                    add("content", piece.get("text"))
-                    add("refusal", piece.get("refusal"))
-                    add("audio", piece.get("transcript"))
-                else:
-                    add("content", piece)
-            for field in ("reasoning_content", "reasoning", "refusal"):
-                add(field, part.get(field))
-            audio = part.get("audio")
-            if isinstance(audio, dict):
-                add("audio", audio.get("transcript"))
-            legacy = part.get("function_call")
-            if isinstance(legacy, dict):
-                add("function_call.name", legacy.get("name"))
-                add("function_call.arguments", legacy.get("arguments"))
-            calls = part.get("tool_calls")
-            for n, call in enumerate(calls if isinstance(calls, list) else []):
-                if not isinstance(call, dict):
-                    continue
-                slot = _key(call.get("index", n))
-                for kind, text_field in (("function", "arguments"), ("custom", "input")):
-                    body = call.get(kind)
-                    if isinstance(body, dict):
-                        add(f"tool.{slot}.name", body.get("name"))
-                        add(f"tool.{slot}.{text_field}", body.get(text_field))
-
-
-def client_events(body: bytes) -> list[Any]:
-    """Every ``data:`` payload, parsed as Python's json does (NaN, Infinity, lone surrogates)."""
-    out: list[Any] = []
-    for block in body.replace(b"\r\n", b"\n").split(b"\n\n"):
-        lines = [line for line in block.split(b"\n") if line.startswith(b"data:")]
-        if not lines:
-            continue
-        data = b"\n".join(line[6:] if line[5:6] == b" " else line[5:] for line in lines)
-        if data.strip() == b"[DONE]":
-            out.append("[DONE]")
-            continue
-        try:
-            out.append(json.loads(data))
-        except ValueError:
-            out.append(data)
-    return out
-
-
-def delivered(body: bytes) -> int:
-    """Output tokens in what the client received, whatever its shape: SSE, one JSON
-    document, or either gzip-compressed."""
-    if body[:2] == b"\x1f\x8b":
-        body = gzip.decompress(body)
-    streams: dict[tuple[str, ...], str] = defaultdict(str)
-    try:
-        readable(json.loads(body), streams)
-    except ValueError:
-        for event in client_events(body):
-            readable(event, streams)
-    return sum(len(O200K.encode(text)) for text in streams.values())
 
 
 def settled_entry(client: redis.Redis, tenant: str) -> dict[str, str]:
