@@ -538,6 +538,10 @@ def honest_usage_stream(pieces: list[str], ratio: float) -> list[bytes]:
     return sse(events)
 
 
+def disagreements(gateway: Gateway) -> float:
+    return gateway.processors[0].metrics().get("extproc_usage_disagreements_total", 0)
+
+
 WORDS = [f" {w}" for w in ("metering", "tokenizers", "disagree", "upstream", "honestly")] * 40
 
 
@@ -555,20 +559,24 @@ def test_an_honest_server_with_another_tokenizer_is_billed_its_own_usage(
 ) -> None:
     # llm-d-inference-sim's regex tokenizer counts ~10.6% below o200k on such text.
     upstream.reply = lambda _: Reply(headers=SSE, chunks=honest_usage_stream(WORDS, 0.894))
+    before = disagreements(gateway)
     result = run(gateway, "upstream-honest", model="approx", stream=True)
     entry = settled_entry(redis_client, "upstream-honest")
     got, billed = delivered(result.body), int(entry["output_tokens"])
     assert billed == round(got * 0.894) < got
+    assert disagreements(gateway) == before  # within the model's tolerance: expected
 
 
 def test_a_lying_low_server_cannot_bill_below_the_verified_floor(
     gateway: Gateway, upstream: ScriptedUpstream, redis_client: redis.Redis
 ) -> None:
     upstream.reply = lambda _: Reply(headers=SSE, chunks=honest_usage_stream(WORDS, 0.0))
+    before = disagreements(gateway)
     result = run(gateway, "upstream-lying-low", model="approx", stream=True)
     entry = settled_entry(redis_client, "upstream-lying-low")
     got, billed = delivered(result.body), int(entry["output_tokens"])
     assert billed == math.ceil(got * 0.85)  # usage_tolerance 0.15 (the default)
+    assert disagreements(gateway) == before + 1
     assert int(entry["prompt_tokens"]) == PROMPT  # the usage's prompt is the honest one
 
 
