@@ -147,6 +147,7 @@ class Metrics:
     usage_disagreements_total: int = 0
     malformed_events_total: int = 0
     settle_errors_total: int = 0
+    billing_errors_total: int = 0
     tokenizer_fallbacks_total: int = 0
     lost_admissions_total: int = 0
     admission_waits_total: int = 0
@@ -201,6 +202,8 @@ _SCALARS: tuple[tuple[str, str, str, str], ...] = (
      "SSE events whose data was not readable JSON."),
     ("settle_errors_total", "extproc_settle_errors", "counter",
      "Settlements or cancels that failed for good."),
+    ("billing_errors_total", "extproc_billing_errors", "counter",
+     "Settlements whose answer could not be read (a bug): the reservation was billed."),
     ("tokenizer_fallbacks_total", "extproc_tokenizer_load_failures", "counter",
      "Tokenizers that failed to load (the model's count falls back to the estimator)."),
     ("lost_admissions_total", "extproc_lost_admissions", "counter",

@@ -12,7 +12,7 @@ import structlog
 from extproc.admission.errors import ApiError, invalid_request, model_not_found, unauthorized
 from extproc.admission.identity import KeyRing, presented_key
 from extproc.admission.limit_names import describe_limit
-from extproc.admission.policy import PolicyBook, QuotaPolicy
+from extproc.admission.policy import PolicyBook, QuotaPolicy, limit_kind
 from extproc.admission.ratelimit_headers import ratelimit_headers, retry_after
 from extproc.admission.request import (
     Endpoint,
@@ -226,8 +226,9 @@ class Admission:
             )
         if verdict.replayed:
             self.metrics.replays["admit"] += 1
-        for kind in verdict.shadow_refused_by:
+        for shadow in verdict.shadow_refused_by:
             # Admitted: a shadow limit only reports what it would have refused.
+            kind = limit_kind(shadow)
             self.metrics.shadow_violations[(*labels, kind, "refuse")] += 1
             log.warning(
                 "shadow_limit_would_refuse", request_id=request_id, tenant=tenant.id, kind=kind

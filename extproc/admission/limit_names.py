@@ -35,10 +35,11 @@ def window_name(window_s: int) -> str:
 
 def describe_limit(counter: Counter) -> tuple[str, str]:
     """(error code, "tokens per minute"-style description) of a counter's limit."""
-    kind = counter.kind.removeprefix("tenant_").removeprefix("model_")
+    full = counter.kind.removeprefix("shadow_")
+    kind = full.removeprefix("tenant_").removeprefix("model_")
     period = next((p for p in _PERIOD_NAMES if kind.startswith(p)), None)
-    tenant_wide = counter.kind.startswith("tenant_") or (
-        period is not None and not counter.kind.startswith("model_")
+    tenant_wide = full.startswith("tenant_") or (
+        period is not None and not full.startswith("model_")
     )
     scope = " (all models)" if tenant_wide and kind != "daily" else ""
     if period is not None:

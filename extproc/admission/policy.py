@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from extproc.config import LimitRule, ModelSpec, PlanSpec, TenantSpec
 from extproc.config.schema import ChargeMode, OnExhaustion
 from extproc.quota import keys
-from extproc.quota.base import Counter, CounterKind, CounterState, unit_of
+from extproc.quota.base import SHADOW_PREFIX, Counter, CounterKind, CounterState, unit_of
 
 DAY_S = 86400
 _NOMINAL_S = {"day": DAY_S, "week": 7 * DAY_S, "month": 31 * DAY_S}
@@ -44,6 +44,11 @@ def kind_of(rule: LimitRule, tenant_wide: bool) -> CounterKind:
         return kind if tenant_wide else "model_" + kind
     kind = _PER_WINDOW[rule.metric]
     return "tenant_" + kind if tenant_wide else kind
+
+
+def limit_kind(kind: CounterKind) -> CounterKind:
+    """The kind a shadow counter reports under (metrics, logs): its rule's metric and scope."""
+    return kind.removeprefix(SHADOW_PREFIX)
 
 
 def weights_of(rule: LimitRule, model: ModelSpec | None) -> tuple[int, int, int]:
@@ -105,6 +110,10 @@ class PolicyBook:
     ) -> Counter:
         w = rule.window
         kind = kind_of(rule, tenant_wide)
+        if rule.shadow:
+            # A shadow rule of the same metric and window as an enforced one is how a new
+            # limit is tried: its own counter, so it never charges the enforced one again.
+            kind = SHADOW_PREFIX + kind
         shape = w.kind
         window_s = w.seconds
         if shape == "calendar":

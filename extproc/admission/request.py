@@ -8,10 +8,14 @@ or ``"max_tokens"`` key cannot make it serve another model or a longer answer). 
   the model it was charged to.
 * ``max_tokens`` / ``max_completion_tokens`` set to ``min(client value, server max)``, or to the
   model's default when the client sent none, so the upstream cannot generate more than the
-  gateway reserved.
+  gateway reserved. Both fields on both endpoints: a /v1/completions server may read
+  ``max_completion_tokens`` too.
 * ``stream_options.include_usage = true`` on streamed requests, so settlement gets the
   upstream's own usage; the billing layer removes that chunk for clients that didn't ask.
   For models with ``continuous_usage``, ``stream_options.continuous_usage_stats = true`` too.
+  A client's own ``continuous_usage_stats`` is passed through: a running usage can only
+  raise the meter's count (``extproc.billing.output``), so it changes nothing the client
+  could gain from.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ METERED_PATHS: dict[str, Endpoint] = {
 MAX_CHOICES = 16
 # Completions served by one request: ``n`` per prompt, every prompt of a /v1/completions list.
 MAX_COMPLETIONS = 128
+_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,13 +116,11 @@ def parse_unserialised(endpoint: Endpoint, raw: bytes, config: Config) -> ModelR
         )
     body["model"] = model.served_name
 
-    limit_fields = (
-        ("max_tokens", "max_completion_tokens") if endpoint == "chat" else ("max_tokens",)
-    )
-    asked = [v for v in (_positive_int(body, f) for f in limit_fields) if v is not None]
+    # Both fields on both endpoints: a server may honour either, so both carry the clamp.
+    asked = [v for v in (_positive_int(body, f) for f in _LIMIT_FIELDS) if v is not None]
     if asked:
         effective = min(min(asked), model.max_tokens)
-        for field in limit_fields:
+        for field in _LIMIT_FIELDS:
             if field in body and body[field] is not None:
                 body[field] = effective
     else:

@@ -1,123 +1,126 @@
-"""Tokens used by an answer read whole: a JSON completion, or an event stream that came
-without ``text/event-stream``. Pure functions of the body, the tokenizer and the upstream's
-own usage; the meter decides when they apply.
+"""An answer read whole (a JSON completion, or an event stream that came without
+``text/event-stream`` or is not SSE), and the rule every settlement bills by. Pure functions
+of the body, the tokenizer and the upstream's own usage; the meter decides when they apply.
 
-Rules (README, "Quota semantics"):
-
-* The upstream's ``usage`` counts when it is there and well-formed, but the output billed is
-  never below the processor's own count of the text it saw.
-* With no usable ``usage``, the answer's text is counted with the model's tokenizer.
-* When nothing can be read (not JSON, not SSE, not UTF-8, over the size limit) the
-  caller keeps the reservation: ``None`` here means "unreadable", never "free".
+Reading (docs/billing.md): output is what ``extproc.billing.output`` counts, whatever the
+shape: one JSON document (read as clients read JSON), else SSE events, else JSON lines; a
+body that starts with the gzip magic is opened first (clients do, whatever the headers say).
+``None`` means "unreadable" (no shape a client reads as an answer, over the size limit):
+the caller keeps the reservation, never "free".
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import zlib
+from typing import Any, Literal
 
-import orjson
-
-from extproc.billing.sse import MALFORMED, SseProtocolError, SseReassembler, parse_json_data
+from extproc.billing.output import OutputCount, Usage, usage_counts
+from extproc.billing.sse import (
+    DEFAULT_MAX_JSON_BODY_BYTES,
+    MALFORMED,
+    BadJson,
+    SseProtocolError,
+    SseReassembler,
+    client_json,
+    parse_json_data,
+)
 from extproc.tokens.model_tokenizer import ModelTokenizer
 
-# Where the generated text sits in a choice of a completion, a chunk, or a message.
-_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
+__all__ = ["Authority", "Usage", "billed", "read_answer", "usage_counts"]
+
+Authority = Literal["meter", "upstream"]
+GZIP_MAGIC = b"\x1f\x8b"
 
 
-def choice_text(choice: Any) -> str:
-    """All generated text of one choice: message or delta, legacy ``text``, tool calls."""
-    if type(choice) is not dict:
-        return ""
-    parts: list[str] = []
-    text = choice.get("text")  # /v1/completions
-    if isinstance(text, str):
-        parts.append(text)
-    for holder in (choice.get("message"), choice.get("delta")):
-        if not isinstance(holder, dict):
-            continue
-        for name in _TEXT_FIELDS:
-            value = holder.get(name)
-            if isinstance(value, str):
-                parts.append(value)
-        calls = holder.get("tool_calls")
-        if isinstance(calls, list):
-            for call in calls:
-                function = call.get("function") if isinstance(call, dict) else None
-                if isinstance(function, dict):
-                    for name in ("name", "arguments"):
-                        value = function.get(name)
-                        if isinstance(value, str):
-                            parts.append(value)
-    return "".join(parts)
+def billed(
+    prompt: int,
+    output: int,
+    usage: Usage | None,
+    authority: Authority = "meter",
+    tolerance: float = 0.0,
+) -> tuple[int, int]:
+    """``(prompt, output)`` to commit from the processor's own counts and the upstream's
+    usage (None: it reported none, and the processor's counts are billed).
 
-
-# (prompt, completion, cached prompt) tokens of an upstream's usage object.
-Usage = tuple[int, int, int]
-
-
-def usage_counts(usage: Any) -> Usage | None:
-    """``(prompt, completion, cached)`` from a well-formed usage object, else None. Cached
-    prompt tokens (``prompt_tokens_details.cached_tokens``) are 0 when absent or not within
-    the prompt: a cost limit prices them lower, so a wrong figure must not lower the bill."""
-    if not isinstance(usage, dict):
-        return None
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    for value in (prompt, completion):
-        if type(value) is not int or value < 0:
-            return None
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if type(cached) is not int or not 0 <= cached <= prompt:  # type: ignore[operator]
-        cached = 0
-    return prompt, completion, cached  # type: ignore[return-value]
-
-
-def billed(prompt: int, counted_output: int, usage: Usage | None) -> tuple[int, int]:
-    """``(prompt, output)`` to commit: the upstream's figures, output never below our count."""
+    ``meter``: the processor's counts are exact (the model's own tokenizer): the upstream's
+    figure may raise the bill (hidden tokens, a chat template), never lower it.
+    ``upstream``: the processor's tokenizer is an approximation: the upstream's figure is
+    billed, but never below ``(1 - tolerance)`` × the processor's count, the least the
+    delivered text can have cost whatever tokenizer counted it."""
     if usage is None:
-        return prompt, counted_output
-    return usage[0], max(usage[1], counted_output)
+        return prompt, output
+    if authority == "upstream":
+        prompt, output = floor_of(prompt, tolerance), floor_of(output, tolerance)
+    return max(usage[0], prompt), max(usage[1], output)
 
 
-def read_answer(body: bytes, tokenizer: ModelTokenizer) -> tuple[int, Usage | None] | None:
-    """``(our output count, the upstream's usage)`` of a whole answer; None if unreadable."""
+def floor_of(count: int, tolerance: float) -> int:
+    """``ceil(count × (1 - tolerance))``, rounded to micro-tokens first (0.85 × 20 is 17)."""
+    return math.ceil(round(count * (1 - tolerance), 6))
+
+
+def read_answer(body: bytes, tokenizer: ModelTokenizer) -> OutputCount | None:
+    """Our count and the upstream's usage of a whole answer; None if unreadable."""
+    if body.startswith(GZIP_MAGIC):
+        opened = _gunzip(body)
+        if opened is None:
+            return None
+        body = opened
     try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return _read_event_stream(body, tokenizer)
+        doc = client_json(body)
+    except BadJson:
+        return _read_lines(body, tokenizer)
     if not isinstance(doc, dict):
         return None
-    choices = doc.get("choices")
-    usage = usage_counts(doc.get("usage"))
-    if not isinstance(choices, list):
-        return (0, usage) if usage is not None else None
-    counted = sum(tokenizer.count(choice_text(c)) for c in choices)
-    return counted, usage
+    unknown = not isinstance(doc.get("choices"), list | dict) and "error" not in doc
+    if unknown and usage_counts(doc.get("usage")) is None:
+        return None  # no choices, no error, no usage: nothing says what it holds
+    count = OutputCount(tokenizer)
+    count.feed_answer(doc)
+    return count
 
 
-def _read_event_stream(body: bytes, tokenizer: ModelTokenizer) -> tuple[int, Usage | None] | None:
-    """An SSE body under another content type: count each choice's text, keep the usage."""
+def _gunzip(body: bytes) -> bytes | None:
+    inflate = zlib.decompressobj(zlib.MAX_WBITS | 16)
+    try:
+        out = inflate.decompress(body, DEFAULT_MAX_JSON_BODY_BYTES)
+    except zlib.error:
+        return None
+    return None if inflate.unconsumed_tail else out
+
+
+def _read_lines(body: bytes, tokenizer: ModelTokenizer) -> OutputCount | None:
+    """SSE events (any content type), else one JSON object per line (NDJSON)."""
     reassembler = SseReassembler()
     try:
         events = reassembler.feed(body)
         events.extend(reassembler.finish())
     except SseProtocolError:
         return None
-    texts: dict[Any, list[str]] = {}
-    usage: Usage | None = None
-    seen_data = False
+    count = OutputCount(tokenizer)
+    seen = False
     for event in events:
         chunk = parse_json_data(event)
-        if chunk is None or chunk is MALFORMED:
+        if chunk is None:
             continue
-        seen_data = True
-        usage = usage_counts(chunk.get("usage")) or usage
-        choices = chunk.get("choices")
-        if isinstance(choices, list):
-            for choice in choices:
-                index = choice.get("index", 0) if isinstance(choice, dict) else 0
-                texts.setdefault(index, []).append(choice_text(choice))
-    if not seen_data:
-        return None
-    counted = sum(tokenizer.count("".join(parts)) for parts in texts.values())
-    return counted, usage
+        seen = True
+        if chunk is MALFORMED:
+            # Forwarded as it came: a client may show what no JSON parser reads.
+            count.feed_text(("unreadable",), event.data or "")
+        else:
+            count.feed(chunk)
+    if seen:
+        return count
+    for line in body.splitlines():
+        if not line.strip():
+            continue
+        try:
+            doc: Any = client_json(line)
+        except BadJson:
+            return None
+        if not isinstance(doc, dict):
+            return None
+        count.feed(doc)
+        seen = True
+    return count if seen else None

@@ -13,12 +13,13 @@ Settlement commits what was delivered and refunds the rest of the reservation, o
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import orjson
 import structlog
 
 from extproc.admission.limit_names import describe_limit
+from extproc.admission.policy import limit_kind
 from extproc.billing import answer
 from extproc.billing.decoding import DECODABLE, Decoder, UndecodableBody, encodings
 from extproc.billing.lease import (
@@ -29,6 +30,7 @@ from extproc.billing.lease import (
     next_lease,
     refund_retries,
 )
+from extproc.billing.output import OutputCount
 from extproc.billing.sse import (
     MALFORMED,
     JsonBodyCollector,
@@ -38,7 +40,6 @@ from extproc.billing.sse import (
     parse_json_data,
 )
 from extproc.quota.base import SettleReason
-from extproc.tokens.incremental import IncrementalCounter
 from extproc.tracing import ExchangeSpan, fail
 
 if TYPE_CHECKING:
@@ -47,25 +48,24 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("extproc.billing")
 
-# sse: metered event by event; json: read whole at the end (a JSON answer, or a stream under
-# another content type); unreadable: an encoding the meter can't decode (refused).
-Mode = Literal["pending", "sse", "json", "upstream_error", "unreadable"]
+# sniff: an event stream whose first bytes are not in yet (SSE, or a JSON answer or gzip
+# bytes under the SSE label); sse: metered event by event; done: ``[DONE]`` went out, what
+# follows is dropped; json: read whole at the end (a JSON answer, or a stream under another
+# content type or not SSE); unreadable: an encoding the meter can't decode (refused).
+Mode = Literal["pending", "sniff", "sse", "done", "json", "unreadable"]
 # Our count may differ from the upstream's usage by this much before it is flagged.
 USAGE_TOLERANCE = 0.02
 _DONE = b"data: [DONE]\n\n"
-
-
-_PLAIN_DELTA_KEYS = frozenset(("role", "content"))
-
-
-def delta_text(choice: dict[str, Any]) -> str:
-    """The generated text one chunk choice carries: content, reasoning, tool-call arguments."""
-    delta = choice.get("delta")
-    # Nearly every chat chunk is a plain content delta: answer it without the general walk.
-    if type(delta) is dict and delta.keys() <= _PLAIN_DELTA_KEYS and "text" not in choice:
-        content = delta.get("content")
-        return content if type(content) is str else ""
-    return answer.choice_text(choice)
+# ``_cost`` of an event that is not forwarded as counted: the forced usage chunk (withheld),
+# ``[DONE]`` (forwarded; the rest of the body is dropped), data no client parser reads
+# (the stream ends there as an upstream error).
+_WITHHELD = -1
+_DONE_EVENT = -2
+_UNREADABLE = -3
+_GZIP_MAGIC = b"\x1f\x8b"
+_BOM = b"\xef\xbb\xbf"
+# How an event stream starts: a field line (after any BOM and blank lines).
+_SSE_STARTS = (b"data", b"event", b"id", b"retry", b":")
 
 
 class ResponseMeter:
@@ -86,12 +86,14 @@ class ResponseMeter:
         self.incremental = admitted.incremental
         self.batch = admitted.policy.batch_tokens
         self.max_output = admitted.request.max_tokens * admitted.request.choices
+        model = admitted.request.model
+        self._authority: answer.Authority = model.usage_authority
+        self._tolerance = model.usage_tolerance
+        self._wants_usage = admitted.request.client_wants_usage
         self.leased = admitted.output_reserved  # output tokens covered so far
         # Delivered tokens at which the next background lease is due (None: never).
         self._lease_due = lease_due_at(self.leased, self.batch, self.max_output)
         self.delivered = 0  # output tokens in events forwarded to the client
-        self.counted = 0  # output tokens in every event parsed so far (delivered or not)
-        self.text_tokens = 0  # our own count of the text so far, summed over choices
         self.seq = 0  # lease batch sequence number (idempotency with the request id)
         self.lease_task: asyncio.Task[None] | None = None
         self.exhausted = False
@@ -105,8 +107,12 @@ class ResponseMeter:
         self.started = False  # response headers seen: the watchdog applies from here
         self.finished = False  # we ended the client's stream (cut-off or timeout)
         self.completed = False  # the upstream ended its stream normally
-        # The upstream's closing usage chunk arrived: it settles the request from here on,
-        # whatever the client does next.
+        # The upstream failed the request: an error status, an error event or an answer
+        # that can't be read. Metered all the same; the ledger says ``upstream_error``.
+        self.upstream_failed = False
+        # The upstream's own usage as of the events delivered so far (its closing report,
+        # or its running count): it settles the request from here on, whatever the client
+        # does next (``answer.billed``).
         self.final_usage: answer.Usage | None = None
         # Cached prompt tokens of the upstream usage the bill was taken from (cost limits).
         self.cached_input = 0
@@ -114,8 +120,10 @@ class ResponseMeter:
         self._decoder: Decoder | None = None
         self._sse = SseReassembler()
         self._json: JsonBodyCollector | None = None
-        self._counters: dict[int, IncrementalCounter] = {}
-        self._last_chunk: dict[str, Any] | None = None
+        self._held = b""  # the body's first bytes while the mode is ``sniff``
+        # What counts as output, event by event (extproc.billing.output).
+        self._output = OutputCount(admitted.tokenizer)
+        self._feed = self._output.feed
         # An event ``on_body_now`` counted but could not forward (the lease didn't cover it):
         # the body message it came in, the event, its cost. ``on_body`` takes it from here
         # (the same bytes: upb hands out a new bytes object per access, so compared by value).
@@ -125,7 +133,7 @@ class ResponseMeter:
     def may_rewrite_body(self) -> bool:
         """An SSE body may lose the forced usage chunk or gain a closing event; a decoded
         body changes length."""
-        return self.mode == "sse" or self._decoder is not None
+        return self.mode in ("sse", "sniff") or self._decoder is not None
 
     @property
     def decoding(self) -> bool:
@@ -134,8 +142,8 @@ class ResponseMeter:
     def on_headers(self, status: int, content_type: str, content_encoding: str = "") -> None:
         self.started = True  # from here the idle watchdog guards the reservation
         if status >= 400 or status < 200:
-            self.mode = "upstream_error"
-            return
+            # Metered like any other answer: an error body may carry output all the same.
+            self.upstream_failed = True
         codings = encodings(content_encoding)
         if len(codings) > 1 or (codings and codings[0] not in DECODABLE):
             log.warning("unreadable_encoding", request_id=self._rid, encoding=content_encoding)
@@ -145,7 +153,7 @@ class ResponseMeter:
         if codings:
             self._decoder = Decoder()
         if self.admitted.request.stream and "text/event-stream" in content_type.lower():
-            self.mode = "sse"
+            self.mode = "sniff"  # SSE once its first bytes say so
         else:
             self.mode = "json"
             self._json = JsonBodyCollector()
@@ -168,18 +176,23 @@ class ResponseMeter:
         try:
             parsed = orjson.loads(data)
         except orjson.JSONDecodeError:
-            return None  # not JSON ([DONE], malformed, invalid UTF-8): the general path
+            return None  # not JSON ([DONE], NaN, malformed, invalid UTF-8): the general path
         if type(parsed) is not dict:
             return None
-        cost = self._chunk_cost(parsed)
-        if cost < 0:  # the forced usage chunk, withheld from the client
+        cost = self._feed(parsed)
+        if cost < 0:  # a usage chunk: every event before it has gone out
+            self.final_usage = self._output.take_usage()
             self.metrics.events_total += 1
-            return b""
+            if not self._wants_usage:
+                return b""  # the forced usage chunk, withheld from the client
+            return chunk
         if self.incremental and self.delivered + cost > self.leased:
             self._declined = (chunk, SseEvent(chunk, data.decode("utf-8", "replace")), cost)
             return None
         self.metrics.events_total += 1
         self.delivered += cost
+        if self._output.fresh_usage:  # a running usage rode on this event
+            self.final_usage = self._output.take_usage()
         if self.incremental:
             self._lease_ahead()
         return chunk
@@ -195,15 +208,22 @@ class ResponseMeter:
                 raise RuntimeError("on_body must follow on_body_now for the message it declined")
             out = await self._forward([declined[1]], [declined[2]])
             return (None, False) if out is None else (out, self.finished)
+        if self.mode == "done":  # what an upstream sends after [DONE] is not the answer's
+            if end_of_stream:
+                self._complete()
+            return b"", end_of_stream
         if self._decoder is not None:
             try:
                 chunk = self._decoder.feed(chunk, end_of_stream)
             except UndecodableBody as exc:
-                log.warning("undecodable_body", request_id=self._rid, error=str(exc))
-                self.mode = "unreadable"
-                stream = self.admitted.request.stream
-                tail = self._closing_bytes("upstream_error") if stream else b""
-                return tail, self._finish("unreadable")
+                return self._undecodable(exc)
+        if self.mode == "sniff":
+            try:
+                chunk = self._sniff(chunk, end_of_stream)
+            except UndecodableBody as exc:
+                return self._undecodable(exc)
+            if self.mode == "sniff":
+                return b"", False  # too few bytes yet to tell
         if self.mode != "sse":
             if self._json is not None:
                 self._json.feed(chunk)
@@ -217,6 +237,10 @@ class ResponseMeter:
         except SseProtocolError as exc:
             log.warning("sse_protocol_error", request_id=self._rid, error=str(exc))
             out = await self._forward(exc.events)
+            if out is None:
+                return None, False
+            if self.finished:
+                return out, True
             return out + self._closing_bytes("upstream_error"), self._finish("protocol_error")
         out = await self._forward(events)
         if out is None:  # ended elsewhere (the watchdog) while this message waited
@@ -227,29 +251,58 @@ class ResponseMeter:
             self._complete()
         return out, end_of_stream
 
+    def _undecodable(self, exc: UndecodableBody) -> tuple[bytes, bool]:
+        log.warning("undecodable_body", request_id=self._rid, error=str(exc))
+        self.mode = "unreadable"
+        stream = self.admitted.request.stream
+        tail = self._closing_bytes("upstream_error") if stream else b""
+        return tail, self._finish("unreadable")
+
+    def _sniff(self, chunk: bytes, end_of_stream: bool) -> bytes:
+        """What a ``text/event-stream`` body is, from its first bytes: gzip (the magic, with
+        no ``Content-Encoding``: decoded, as clients decode it), SSE (a field line after any
+        BOM and blank lines), or anything else (one JSON answer, JSON lines, text: read
+        whole like a JSON answer). Returns the bytes to go on with once decided; until then
+        holds them (the mode stays ``sniff``)."""
+        held = self._held + chunk
+        if self._decoder is None:
+            if len(held) < 2 and _GZIP_MAGIC.startswith(held) and not end_of_stream:
+                self._held = held
+                return b""
+            if held.startswith(_GZIP_MAGIC):
+                log.warning("undeclared_gzip_body", request_id=self._rid)
+                self._decoder = Decoder()
+                held = self._decoder.feed(held, end_of_stream)
+        start = 3 if held.startswith(_BOM) else 0
+        if start == 0 and len(held) < 3 and _BOM.startswith(held) and held:
+            start = len(held)  # maybe the start of a BOM
+        rest = held[start:].lstrip(b"\r\n")
+        if not end_of_stream and (
+            not rest or (len(rest) < 5 and any(f.startswith(rest) for f in _SSE_STARTS))
+        ):
+            self._held = held
+            return b""
+        self._held = b""
+        if not rest or rest.startswith(_SSE_STARTS):
+            self.mode = "sse"
+        else:
+            log.warning("event_stream_not_sse", request_id=self._rid)
+            self.mode = "json"
+            self._json = JsonBodyCollector()
+        return held
+
     async def on_trailers(self) -> bytes | None:
-        """Trailers end the body: forward what the reassembler still holds, then settle."""
+        """Trailers end the body: forward what is still held back, then settle."""
         if self.finished:
             return None
-        out = b""
-        if self.mode == "sse":
-            try:
-                tail = self._sse.finish()
-            except SseProtocolError as exc:
-                tail = exc.events
-            out = await self._forward(tail)
-            if out is None:
-                return None
-            if self.finished:
-                return out
-        self._complete()
+        out, _ = await self.on_body(b"", True)
         return out
 
     async def on_idle_timeout(self) -> bytes | None:
         if self.finished or self.settled:
             return None
         log.warning("stream_idle_timeout", request_id=self._rid)
-        tail = self._closing_bytes("timeout") if self.mode == "sse" else b""
+        tail = self._closing_bytes("timeout") if self.mode in ("sse", "sniff") else b""
         self._finish("idle_timeout")
         return tail
 
@@ -262,7 +315,7 @@ class ResponseMeter:
         if self.finished or self.settled or not self.started:
             return None
         log.warning("stream_shutdown", request_id=self._rid, delivered=self.delivered)
-        tail = self._closing_bytes("shutdown") if self.mode == "sse" else b""
+        tail = self._closing_bytes("shutdown") if self.mode in ("sse", "sniff") else b""
         self._finish("shutdown")
         return tail
 
@@ -273,23 +326,32 @@ class ResponseMeter:
 
         ``costs``: the events' costs when already counted (``on_body_now``). None: the
         stream was ended by someone else (the idle watchdog) during the wait for a lease,
-        so nothing more may go out.
+        so nothing more may go out. ``[DONE]`` goes out and the rest of the body is dropped;
+        at data no client parser reads the stream ends, as an upstream error.
         """
         if not events:
             return b""
         self.metrics.events_total += len(events)
-        usage_before = self.final_usage
+        unreadable = False
         if costs is None:
-            costs = [self._cost(event) for event in events]
+            costs = []
+            for i, event in enumerate(events):
+                cost = self._cost(event)
+                if cost == _UNREADABLE:
+                    events, unreadable = events[:i], True
+                    break
+                costs.append(cost)
+                if cost == _DONE_EVENT:
+                    events = events[: i + 1]
+                    break
         need = self.delivered
         for cost in costs:
             if cost > 0:
                 need += cost
         if need > self.leased and self.incremental:
-            # A usage chunk among these events settles the request only once the events
-            # before it are out: held while they wait for a lease, so a stream that ends
+            # A usage among these events settles the request only once the events before
+            # it are out: ``final_usage`` is taken after they are, so a stream that ends
             # during the wait (a hang-up, the watchdog, shutdown) is billed what it got.
-            parsed_usage, self.final_usage = self.final_usage, usage_before
             self.metrics.events_waited_total += len(events)
             loop = asyncio.get_running_loop()
             started = loop.time()
@@ -297,80 +359,50 @@ class ResponseMeter:
             self.metrics.observe("lease_wait", self._labels, loop.time() - started)
             if self.finished:
                 return None
-            self.final_usage = parsed_usage
         out = bytearray()
         for event, cost in zip(events, costs, strict=True):
-            if cost < 0:  # an event withheld from the client (the forced usage chunk)
+            if cost == _WITHHELD:  # the forced usage chunk
                 continue
-            if self.incremental and self.delivered + cost > self.leased:
-                # The cut-off decides the bill (what was delivered), not a usage chunk
-                # parsed from the same message that the client will never see.
-                self.final_usage = None
-                out += self._closing_bytes(self.exhausted_code)
-                self.metrics.cutoffs[self._labels] += 1
-                self._finish("cutoff")
-                return bytes(out)
-            self.delivered += cost
+            if cost > 0:
+                if self.incremental and self.delivered + cost > self.leased:
+                    # The cut-off decides the bill (what was delivered), not a usage parsed
+                    # from the same message that the client will never see.
+                    self.final_usage = None
+                    out += self._closing_bytes(self.exhausted_code)
+                    self.metrics.cutoffs[self._labels] += 1
+                    self._finish("cutoff")
+                    return bytes(out)
+                self.delivered += cost
+            elif cost == _DONE_EVENT:
+                self.mode = "done"
             out += event.raw
+        if self._output.fresh_usage:
+            self.final_usage = self._output.take_usage()
+        if unreadable:
+            out += self._closing_bytes("upstream_error")
+            self._finish("protocol_error")
+            return bytes(out)
         if self.incremental:
             self._lease_ahead()
         return bytes(out)
 
     def _cost(self, event: SseEvent) -> int:
-        """Output tokens an event carries; -1 for an event the client must not see."""
-        if event.data is None:
+        """Output tokens an event carries, or one of ``_WITHHELD``, ``_DONE_EVENT``,
+        ``_UNREADABLE``."""
+        data = event.data
+        if data is None:
             return 0
         chunk = parse_json_data(event)
         if chunk is None:
-            return 0
+            return _DONE_EVENT  # data that is no JSON payload can only be [DONE]
         if chunk is MALFORMED:
             self.metrics.malformed_events_total += 1
             log.warning("malformed_sse_event", request_id=self._rid, size=len(event.raw))
-            return 0
-        return self._chunk_cost(chunk)
-
-    def _chunk_cost(self, chunk: dict[str, Any]) -> int:
-        """``_cost`` of an event whose data is the JSON object ``chunk``."""
-        choices = chunk.get("choices")
-        usage = chunk.get("usage")
-        if not choices:
-            if isinstance(usage, dict):
-                self.final_usage = answer.usage_counts(usage)
-                return 0 if self.admitted.request.client_wants_usage else -1
-            return 0
-        self._last_chunk = chunk
-        if usage is not None and type(usage) is dict:
-            running = usage.get("completion_tokens")
-            if type(running) is int:
-                # vLLM continuous_usage_stats: the upstream's own running count.
-                return self._advance(running)
-        if type(choices) is not list:
-            return 0
-        total = self.text_tokens
-        counters = self._counters
-        for choice in choices:
-            if type(choice) is not dict:
-                continue
-            text = delta_text(choice)
-            if text:
-                index = choice.get("index", 0)
-                counter = counters.get(index)
-                if counter is None:
-                    counter = counters[index] = IncrementalCounter(self.admitted.tokenizer)
-                before = counter.total
-                total += counter.feed(text) - before
-        self.text_tokens = total
-        # _advance, inlined: this runs once per event.
-        cost = total - self.counted
-        if cost <= 0:
-            return 0
-        self.counted = total
-        return cost
-
-    def _advance(self, total: int) -> int:
-        """The tokens an event adds to the running count (a BPE merge can't make it negative)."""
-        cost = max(0, total - self.counted)
-        self.counted += cost
+            # Whitespace carries no output; anything else might, to a client of its own.
+            return _UNREADABLE if data.strip() else 0
+        cost = self._feed(chunk)
+        if cost < 0:  # a usage chunk: the forced one is withheld
+            return 0 if self._wants_usage else _WITHHELD
         return cost
 
     # -- leases ----------------------------------------------------------------------------
@@ -455,8 +487,9 @@ class ResponseMeter:
             self.leased += grant.granted
             self._lease_due = lease_due_at(self.leased, self.batch, self.max_output)
             self.states = grant.states or self.states
-            for kind in grant.shadow_cut_by:
+            for shadow in grant.shadow_cut_by:
                 # Granted all the same: a shadow limit only reports the cut it would make.
+                kind = limit_kind(shadow)
                 metrics.shadow_violations[(*self._labels, kind, "cut")] += 1
                 log.warning("shadow_limit_would_cut", request_id=self._rid, kind=kind)
         elif grant.others_open > 0 and self.refusals < self._refusal_retries:
@@ -504,9 +537,9 @@ class ResponseMeter:
         return b"data: " + orjson.dumps(error) + b"\n\n" + _DONE
 
     def _truncation_bytes(self) -> bytes:
-        last = self._last_chunk or {}
+        last = self._output.last_chunk or {}
         is_chat = self.admitted.request.endpoint == "chat"
-        indices = sorted(self._counters) or [0]
+        indices = self._output.choice_indices() or [0]
         if is_chat:
             choices = [{"index": i, "delta": {}, "finish_reason": "length"} for i in indices]
         else:
@@ -539,48 +572,57 @@ class ResponseMeter:
 
     # -- settlement ------------------------------------------------------------------------
 
-    def used_tokens(self) -> int:
-        """What this request really cost: the figure committed at settlement."""
-        return sum(self.billed())
-
     def billed(self) -> tuple[int, int]:
-        """``(prompt, output)`` committed at settlement.
+        """``(prompt, output)`` committed at settlement (docs/billing.md).
 
-        Never the prompt alone for an answer that may hold output: what can't be read keeps
-        the reservation (or ``max_tokens`` where only that bounds the output).
+        Never the prompt alone for a readable answer that may hold output: what can't be
+        read keeps the reservation (or ``max_tokens`` where only that bounds the output),
+        unless the upstream answered an error (an error body holds no output).
         """
         prompt = self.admitted.prompt_tokens
-        if self.mode == "upstream_error":
-            return prompt, 0  # no output was produced; the RPM attempt stays charged
         if self.mode == "unreadable":
-            return prompt, max(self.leased, self.delivered)
+            return prompt, 0 if self.upstream_failed else max(self.leased, self.delivered)
         if self.mode == "json":
             return self._json_used(prompt)
-        if self.final_usage is not None:
-            if self._disagrees(self.final_usage[1]):
+        usage = self.final_usage
+        if usage is not None:
+            if self._disagrees(usage[1]):
                 self.metrics.usage_disagreements_total += 1
                 log.warning(
                     "usage_disagreement",
                     request_id=self._rid,
-                    upstream=self.final_usage[1],
+                    upstream=usage[1],
                     counted=self.delivered,
                 )
-            self.cached_input = self.final_usage[2]
-            return answer.billed(prompt, self.delivered, self.final_usage)
-        return prompt, self.delivered
+            self.cached_input = usage[2]
+        return answer.billed(prompt, self.delivered, usage, self._authority, self._tolerance)
 
     def _json_used(self, prompt: int) -> tuple[int, int]:
         body = self._json.body() if self._json is not None and self.completed else None
-        read = None if body is None else answer.read_answer(body, self.admitted.tokenizer)
-        if read is None:
+        count = None if body is None else answer.read_answer(body, self.admitted.tokenizer)
+        if count is None:
             # Cut short, unreadable or over the size limit: only max_tokens bounds it.
-            return prompt, self.max_output
-        counted, usage = read
+            return prompt, 0 if self.upstream_failed else self.max_output
+        if count.error:
+            self.upstream_failed = True
+        usage = count.usage
         self.cached_input = usage[2] if usage is not None else 0
-        return answer.billed(prompt, counted, usage)
+        return answer.billed(prompt, count.total, usage, self._authority, self._tolerance)
 
     def _disagrees(self, upstream: int) -> bool:
-        return abs(upstream - self.delivered) > max(2, USAGE_TOLERANCE * upstream)
+        # An upstream-authority model's tokenizer differs by design: up to its tolerance.
+        tolerance = USAGE_TOLERANCE if self._authority == "meter" else self._tolerance
+        return abs(upstream - self.delivered) > max(2, tolerance * max(upstream, self.delivered))
+
+    def _safe_bill(self) -> tuple[int, int]:
+        """``billed``, or, should reading the answer fail (a bug), the reservation: the
+        request is settled once whatever happened, never left open or billed nothing."""
+        try:
+            return self.billed()
+        except Exception as exc:
+            self.metrics.billing_errors_total += 1
+            log.error("billing_failed", request_id=self._rid, error=repr(exc), exc_info=True)
+            return self.admitted.prompt_tokens, max(self.leased, self.delivered)
 
     async def settle(self, reason: str) -> None:
         if self.settled:
@@ -591,12 +633,13 @@ class ResponseMeter:
         counters = self.admitted.policy.token_counters
         metrics = self.metrics
         labels = self._labels
-        ledger_reason = self._ledger_reason(reason)
-        metrics.settled[(*labels, ledger_reason)] += 1
-        if not self.admitted.policy.metered:
-            return  # nothing was admitted in the backend: no record to settle
+        metered = self.admitted.policy.metered
         # RPM-only requests are settled too (no counter changes): the ledger records them.
-        prompt, output = self.billed()
+        prompt, output = self._safe_bill() if metered else (0, 0)
+        ledger_reason = self._ledger_reason(reason)  # after the bill: it reads the answer
+        metrics.settled[(*labels, ledger_reason)] += 1
+        if not metered:
+            return  # nothing was admitted in the backend: no record to settle
         used = prompt + output
         span = None
         if self.trace is not None:
@@ -650,8 +693,11 @@ class ResponseMeter:
 
     def _ledger_reason(self, reason: str) -> SettleReason:
         """The meter's (and the gRPC stream's) end reasons as the usage ledger names them."""
-        if self.mode in ("upstream_error", "unreadable") or reason == "protocol_error":
+        failed = self.upstream_failed or self._output.error or self.mode == "unreadable"
+        if failed or reason == "protocol_error":
             return "upstream_error"
+        if self.mode == "done":
+            return "completed"  # [DONE] went out: whatever ended the stream came after it
         return _LEDGER_REASONS.get(reason, "disconnect")
 
     @property

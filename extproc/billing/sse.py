@@ -30,6 +30,7 @@ UTF-8 BOM is ignored. Where this module departs from a browser, it is to keep ev
 from __future__ import annotations
 
 import enum
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -370,14 +371,34 @@ MALFORMED: Final = _Malformed.MALFORMED
 JsonData = dict[str, Any] | None | Literal[_Malformed.MALFORMED]
 
 
+class BadJson(ValueError):
+    """No JSON parser a client uses reads this."""
+
+
+def client_json(data: str | bytes) -> Any:
+    """JSON as clients read it: orjson, else Python's ``json`` (what the openai SDK uses),
+    which also takes NaN, Infinity, numbers beyond a double and lone surrogate escapes.
+    JavaScript's ``JSON.parse`` reads no more than ``json`` does, so nothing a client's
+    parser reads is refused here (orjson alone refuses all of those)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise BadJson(str(exc)) from None
+
+
 def parse_json_data(event: SseEvent) -> JsonData:
-    """The event's data as a JSON object; None when it carries none (no data, ``[DONE]``)."""
+    """The event's data as a JSON object, read as clients read it (``client_json``); None
+    when it carries none (no data, ``[DONE]``); MALFORMED for any other data."""
     data = event.data
     if data is None:
         return None
     try:
-        value = orjson.loads(data)
-    except orjson.JSONDecodeError:
+        value = client_json(data)
+    except BadJson:
         return None if data.strip() == "[DONE]" else MALFORMED
     return value if isinstance(value, dict) else MALFORMED
 
@@ -425,8 +446,8 @@ class JsonBodyCollector:
         if body is None:
             return None
         try:
-            value = orjson.loads(body)
-        except orjson.JSONDecodeError:
+            value = client_json(body)
+        except BadJson:
             self.malformed = True
             return None
         if not isinstance(value, dict):

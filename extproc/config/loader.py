@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ from extproc.config.schema import (
 )
 from extproc.quota.base import LedgerSettings
 from extproc.quota.topology import parse_redis_url, seeds_to_url
-from extproc.tokens.registry import TokenizerRule
+from extproc.tokens.registry import DEFAULT_RULES, ESTIMATOR_SPEC, TokenizerRule
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _TOP_KEYS = {
@@ -114,6 +116,8 @@ _MODEL_KEYS = {
     "continuous_usage",
     "reserve_max",
     "prices",
+    "usage_authority",
+    "usage_tolerance",
 }
 _TENANT_KEYS = {"plan", "key_sha256", "overrides"}
 
@@ -397,7 +401,56 @@ def _check_rules(
     limits.check_cost(tenant_rules, reached)
 
 
-def _model(name: str, doc: Any, path: str) -> ModelSpec:
+# A model counted by the estimator (an over-count by design: 2.5-3x o200k on English text)
+# is floored at 30% of it; any real tokenizer at 85% of its count.
+_TOLERANCE = 0.15
+_ESTIMATOR_TOLERANCE = 0.7
+
+
+def _tokenizer_of(name: str, rules: tuple[TokenizerRule, ...]) -> str | None:
+    """The tokenizer ``rules`` give ``name``: an exact rule first, then the first pattern
+    (as ``TokenizerRegistry`` resolves it)."""
+    lowered = name.lower()
+    exact = next((r for r in rules if not r.is_pattern and r.match == lowered), None)
+    if exact is not None:
+        return exact.tokenizer
+    return next(
+        (r.tokenizer for r in rules if r.is_pattern and fnmatch.fnmatchcase(lowered, r.match)),
+        None,
+    )
+
+
+def _usage_policy(spec: ModelSpec, doc: dict[str, Any], path: str, rules: Any) -> ModelSpec:
+    """``usage_authority`` and ``usage_tolerance``, their defaults from the tokenizer the
+    model is counted with: its own (the built-in table maps its name, an alias or its
+    upstream name to it) makes the meter authoritative, anything else the upstream."""
+    configured = tuple(TokenizerRule.from_dict(r, i) for i, r in enumerate(rules or ()))
+    counted = spec.tokenizer or _tokenizer_of(spec.name, configured + DEFAULT_RULES)
+    counted = counted or ESTIMATOR_SPEC
+    own = counted != ESTIMATOR_SPEC and any(
+        _tokenizer_of(n, DEFAULT_RULES) == counted
+        for n in (spec.name, *spec.aliases, spec.served_name)
+    )
+    authority = _choice(
+        doc.get("usage_authority", "meter" if own else "upstream"),
+        f"{path}.usage_authority",
+        ("meter", "upstream"),
+    )
+    default = _ESTIMATOR_TOLERANCE if counted == ESTIMATOR_SPEC else _TOLERANCE
+    tolerance = doc.get("usage_tolerance", default)
+    number = not isinstance(tolerance, bool) and isinstance(tolerance, int | float)
+    if not number or not 0 <= tolerance < 1:
+        raise ConfigError(
+            f"{path}.usage_tolerance", f"must be a number in [0, 1), got {tolerance!r}"
+        )
+    return replace(
+        spec,
+        usage_authority=authority,  # type: ignore[arg-type]  # one of _choice's choices
+        usage_tolerance=float(tolerance),
+    )
+
+
+def _model(name: str, doc: Any, path: str, tokenizers: Any = None) -> ModelSpec:
     doc = _mapping(doc or {}, path)
     _known(doc, _MODEL_KEYS, path)
     aliases = doc.get("aliases", [])
@@ -413,7 +466,7 @@ def _model(name: str, doc: Any, path: str) -> ModelSpec:
         )
     tokenizer = doc.get("tokenizer")
     upstream_name = doc.get("upstream_name")
-    return ModelSpec(
+    spec = ModelSpec(
         name=name,
         aliases=tuple(_str(a, f"{path}.aliases[{i}]") for i, a in enumerate(aliases)),
         tokenizer=None if tokenizer is None else _str(tokenizer, f"{path}.tokenizer"),
@@ -427,6 +480,7 @@ def _model(name: str, doc: Any, path: str) -> ModelSpec:
         if doc.get("prices") is None
         else limits.prices(doc["prices"], f"{path}.prices"),
     )
+    return _usage_policy(spec, doc, path, tokenizers)
 
 
 def _bool(value: Any, path: str) -> bool:
@@ -561,8 +615,18 @@ def parse_config(doc: Any, base_dir: Path | None = None) -> Config:
     ``base_dir``: where a relative ``ratelimit_file`` is (the config file's directory)."""
     doc = _mapping(doc, "(top level)")
     _known(doc, _TOP_KEYS, "")
+    tokenizers = doc.get("tokenizers")
+    if tokenizers is not None:
+        if not isinstance(tokenizers, list):
+            raise ConfigError("tokenizers", "must be a list of {match, tokenizer, family} rules")
+        for i, rule in enumerate(tokenizers):
+            try:
+                TokenizerRule.from_dict(rule, i)
+            except ValueError as exc:
+                raise ConfigError(f"tokenizers[{i}]", str(exc)) from exc
+        tokenizers = tuple(dict(r) for r in tokenizers)
     models = {
-        str(name): _model(str(name), spec, f"models.{name}")
+        str(name): _model(str(name), spec, f"models.{name}", tokenizers)
         for name, spec in _mapping(doc.get("models"), "models").items()
     }
     index: dict[str, ModelSpec] = {}
@@ -593,16 +657,6 @@ def parse_config(doc: Any, base_dir: Path | None = None) -> Config:
     default_model = doc.get("default_model")
     if default_model is not None and default_model not in models:
         raise ConfigError("default_model", f"{default_model!r} is not a configured model")
-    tokenizers = doc.get("tokenizers")
-    if tokenizers is not None:
-        if not isinstance(tokenizers, list):
-            raise ConfigError("tokenizers", "must be a list of {match, tokenizer, family} rules")
-        for i, rule in enumerate(tokenizers):
-            try:
-                TokenizerRule.from_dict(rule, i)
-            except ValueError as exc:
-                raise ConfigError(f"tokenizers[{i}]", str(exc)) from exc
-        tokenizers = tuple(dict(r) for r in tokenizers)
     redis_url = _redis_url(doc.get("redis_url", "memory://"))
 
     config = Config(
@@ -729,6 +783,8 @@ def _normalise(config: Config) -> dict[str, Any]:
                 "upstream_name": m.served_name,
                 "continuous_usage": m.continuous_usage,
                 "reserve_max": m.reserve_max,
+                "usage_authority": m.usage_authority,
+                "usage_tolerance": m.usage_tolerance,
                 "prices": None
                 if m.prices is None
                 else {

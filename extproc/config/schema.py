@@ -17,6 +17,10 @@ ChargeMode = Literal["incremental", "reserve_max"]
 OnExhaustion = Literal["error", "truncate"]
 RpmCounts = Literal["attempts", "admitted"]
 OnBackendFailure = Literal["closed", "open"]
+# Whose figure bills a model's tokens when the meter's count and the upstream's usage
+# disagree (docs/billing.md): the meter's (its tokenizer is the model's own) or the
+# upstream's, floored at (1 - usage_tolerance) × the meter's count.
+UsageAuthority = Literal["meter", "upstream"]
 
 
 class ConfigError(ValueError):
@@ -108,6 +112,10 @@ class ModelSpec:
     # ``Bearer <secret>`` read from the environment or a file at load time, never from YAML.
     upstream_authorization: str | None = field(default=None, repr=False, compare=False)
     prices: PriceSpec | None = None  # needed by any cost limit that applies to the model
+    # The loader's defaults: ``meter`` where the built-in table names the model's own
+    # tokenizer, else ``upstream``; 0.15, or 0.7 for a model counted by the estimator.
+    usage_authority: UsageAuthority = "meter"
+    usage_tolerance: float = 0.15
 
     @property
     def served_name(self) -> str:

@@ -84,15 +84,18 @@ from typing import Literal, Protocol
 
 # A counter's kind names its metric, scope and window (``admission.policy.kind_of``):
 # rpm, tpm, itpm, otpm, cost; tenant_* for a tenant-wide one; daily, weekly, monthly
-# (+ _requests, _input, _output, _cost) for calendar budgets. Headers, errors, metrics and
-# the ledger carry it.
+# (+ _requests, _input, _output, _cost) for calendar budgets; shadow_* for a shadow rule's
+# (its own key: never the enforced counter's). Headers, errors, metrics and the ledger
+# carry it.
 CounterKind = str
+SHADOW_PREFIX = "shadow_"
 Shape = Literal["fixed", "sliding", "calendar"]
 Unit = Literal["requests", "tokens", "cost"]
 
 
 def unit_of(kind: CounterKind) -> Unit:
     """What a counter of this kind counts."""
+    kind = kind.removeprefix(SHADOW_PREFIX)
     if kind in ("rpm", "tenant_rpm") or kind.endswith("_requests"):
         return "requests"
     if kind.endswith("cost"):

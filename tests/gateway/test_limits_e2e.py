@@ -298,8 +298,8 @@ def test_shadow_plan_over_its_limits_is_served_in_full_counted_and_reported(
     assert result.status == 200 and result.clean_end and result.done
     assert result.error is None
     assert result.output_tokens() == 300 == result.usage["completion_tokens"]
-    assert wait_until(lambda: counter_total(redis_client, "shadow", "rpm") == 4)
-    assert counter_total(redis_client, "shadow", "tpm") > 150
+    assert wait_until(lambda: counter_total(redis_client, "shadow", "shadow_rpm") == 4)
+    assert counter_total(redis_client, "shadow", "shadow_tpm") > 150
     # Requests 3 and 4 are over rpm 2; the stream's leases past 150 tokens over tpm.
     processor = gateway.processors[0]
     metrics = processor.metrics()

@@ -36,6 +36,9 @@ class Reply:
     chunks: list[bytes] = field(default_factory=list)
     gzip: bool = False  # compress the whole body (and say so), whatever the request asked
     hold_open_s: float = 0.0  # wait this long after the last chunk before ending the body
+    # Chunks from index ``hold_at`` on wait until ``release`` is set (a test acting mid-stream).
+    hold_at: int | None = None
+    release: threading.Event | None = None
 
 
 def sse_chunks(events: list[dict | str]) -> list[bytes]:
@@ -124,7 +127,13 @@ class ScriptedUpstream:
             headers["Content-Encoding"] = "gzip"
         response = web.StreamResponse(status=reply.status, headers=headers)
         await response.prepare(request)
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
+            if i == reply.hold_at and reply.release is not None:
+                released = await asyncio.get_running_loop().run_in_executor(
+                    None, reply.release.wait, 30
+                )
+                if not released:
+                    raise RuntimeError("scripted upstream: never released")
             await response.write(chunk)
             await asyncio.sleep(0)
         if reply.hold_open_s:
