@@ -24,7 +24,7 @@ PLOTS = ["chunk_latency_cdf", "ttft_cdf", "added_latency", "added_latency_p99", 
 RECORD_KEYS = {
     "route", "level", "index", "start_ns", "status", "outcome", "prompt_tokens", "max_tokens",
     "output_tokens", "events", "ttft_ms", "e2el_ms", "tpot_ms", "itl_ms", "chunk_latency_us",
-    "chunk_arrival_ms", "error_code", "retry_after_s",
+    "chunk_arrival_ms", "error_code", "retry_after_s", "detail",
 }  # fmt: skip
 DISTRIBUTIONS = ["ttft_ms", "itl_ms", "tpot_ms", "e2el_ms", "chunk_latency_ms"]
 
