@@ -69,9 +69,12 @@ def _cdf(ax: Any, samples: Sequence[float], label: str) -> None:
     ax.plot(ordered, [(i + 1) / n for i in range(n)], label=label, linewidth=1.2)
 
 
-def _legend(ax: Any) -> None:
-    """A legend when something was drawn; a panel of a level without data says so."""
-    if ax.get_legend_handles_labels()[0]:
+def _legend(ax: Any, outside: bool = False) -> None:
+    """A legend when something was drawn (``outside``: right of the axes, for plots whose
+    lines fill them); a panel of a level without data says so."""
+    if ax.get_legend_handles_labels()[0] and outside:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    elif ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
     else:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
@@ -167,7 +170,7 @@ def by_level(
 def budget_use(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Per window of each processor phase: tokens charged (Redis) and delivered (client),
     against the budget; time runs on from phase to phase."""
-    fig, ax = plt.subplots(figsize=(8.0, 4.2))
+    fig, ax = plt.subplots(figsize=(8.0, 4.4))
     budget_rows = [r for r in rows if r.get("budget", {}).get("windows")]
     origin = min((r["budget"]["windows"][0]["window_start_s"] for r in budget_rows), default=0)
     for row in budget_rows:
@@ -193,9 +196,9 @@ def budget_use(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     ax.set_ylabel("tokens in the window")
     ax.set_title("Tokens per fixed window: charged (Redis) and delivered (clients)", fontsize=11)
     ax.grid(True, alpha=0.3)
-    _legend(ax)
+    _legend(ax, outside=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -204,7 +207,7 @@ def sliding_use(phases: Sequence[Phase], rows: Sequence[dict[str, Any]], path: P
     """Per processor phase with a budget: tokens delivered in the trailing window at each
     delivery, against the budget (a fixed window's burst across its boundary rises above it;
     a sliding window's stays under)."""
-    fig, ax = plt.subplots(figsize=(8.0, 4.2))
+    fig, ax = plt.subplots(figsize=(8.0, 4.4))
     budgets = {(r["route"], r["level"]): r["budget"] for r in rows if "budget" in r}
     for phase in phases:
         budget = budgets.get((phase.route, phase.level))
@@ -222,9 +225,9 @@ def sliding_use(phases: Sequence[Phase], rows: Sequence[dict[str, Any]], path: P
     ax.set_xlabel("s since the phase's first delivery")
     ax.set_title("Tokens delivered in the trailing window, against the budget", fontsize=11)
     ax.grid(True, alpha=0.3)
-    _legend(ax)
+    _legend(ax, outside=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
 

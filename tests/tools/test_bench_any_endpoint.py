@@ -72,6 +72,11 @@ def test_bench_measures_an_openai_server_that_is_not_llmsim(api: str, tmp_path: 
     }
     assert all(r["body"]["ignore_eos"] is True for r in server.requests), path
     assert "No chunk latency" in done.stdout
+    # No plot without data: no stamps, no chunk latency; no direct route, no added latency.
+    plots = sorted(p.name for p in (tmp_path / "r" / "plots").iterdir())
+    assert plots == ["output_throughput.png", "ttft_cdf.png"]
+    assert "chunk_latency_cdf.png skipped: no token event carried a send stamp" in done.stdout
+    assert "added_latency.png skipped: no direct route to subtract" in done.stdout
 
 
 def test_a_run_that_completes_nothing_exits_1_saying_why(tmp_path: Path) -> None:
