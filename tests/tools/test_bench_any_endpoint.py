@@ -92,6 +92,7 @@ def test_a_run_that_completes_nothing_exits_1_saying_why(tmp_path: Path) -> None
     assert len(results(tmp_path / "r")) == 2  # the results are still written
 
 
+@pytest.mark.slow
 def test_ignore_eos_can_be_left_out_for_an_api_that_refuses_it(tmp_path: Path) -> None:
     with openai_server(refuse_ignore_eos=True) as server:
         refused = target_run(server.url, server.key, tmp_path / "a")
@@ -102,6 +103,7 @@ def test_ignore_eos_can_be_left_out_for_an_api_that_refuses_it(tmp_path: Path) -
     assert [r["completed"] for r in results(tmp_path / "b")] == [4, 4]
 
 
+@pytest.mark.slow
 def test_an_https_target_is_verified_with_the_systems_trust_store(tmp_path: Path) -> None:
     import ssl
 
@@ -121,6 +123,7 @@ def test_an_https_target_is_verified_with_the_systems_trust_store(tmp_path: Path
     assert results(tmp_path / "b")[0]["completed"] == 2
 
 
+@pytest.mark.slow
 def test_two_targets_run_one_scenario_interleaved_and_side_by_side(tmp_path: Path) -> None:
     out = tmp_path / "r"
     with openai_server(itl_s=0.002) as a, openai_server(itl_s=0.006, key="sk-b") as b:
@@ -164,6 +167,7 @@ def test_two_targets_run_one_scenario_interleaved_and_side_by_side(tmp_path: Pat
     assert "B/A ratios — A: ours  B: theirs" in done.stdout
 
 
+@pytest.mark.slow
 def test_compare_of_two_folders_warns_of_what_differs_and_drops_nothing_silently(
     tmp_path: Path,
 ) -> None:

@@ -108,6 +108,7 @@ def check_against_summary(cells: dict, out: Path) -> None:
             assert float(cell) == pytest.approx(value, abs=0.51 * 10**-digits), head
 
 
+@pytest.mark.slow
 def test_a_narrow_terminal_gets_tables_that_fit_and_every_figure(tmp_path: Path) -> None:
     with openai_server() as server:
         text = in_terminal(bench_argv(server.url, server.key, tmp_path / "r"), 80)
@@ -118,6 +119,7 @@ def test_a_narrow_terminal_gets_tables_that_fit_and_every_figure(tmp_path: Path)
     check_against_summary(figures(text), tmp_path / "r")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sink", ["pipe", "file"])
 def test_a_pipe_or_a_file_gets_one_whole_table_whatever_columns_says(
     sink: str, tmp_path: Path
