@@ -24,7 +24,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from extproc.config import ConfigError, load_config
 
 
-class KeyError_(ValueError):
+class KeyProblem(ValueError):
     """A key or a file ``add`` can't work with: one line for the user."""
 
 
@@ -45,7 +45,7 @@ def read_key(given: str | None) -> str:
     else:
         key = sys.stdin.readline().rstrip("\r\n")
     if not key or key != key.strip() or any(c.isspace() for c in key):
-        raise KeyError_("a key is one word: no spaces, not empty")
+        raise KeyProblem("a key is one word: no spaces, not empty")
     return key
 
 
@@ -123,12 +123,12 @@ def add_digest(text: str, tenant: str, plan: str | None, key_digest: str) -> tup
     whether the tenant was created."""
     root = yaml.compose(text) if text.strip() else None
     if root is not None and not isinstance(root, MappingNode):
-        raise KeyError_("the config is not a YAML mapping")
+        raise KeyProblem("the config is not a YAML mapping")
     item = _flow_scalar(key_digest)
     tenants = _entry(root, "tenants") if root is not None else None
     if tenants is None or (isinstance(tenants[1], ScalarNode) and tenants[1].value in ("", "~")):
         if plan is None:
-            raise KeyError_(f"tenant {tenant} is new: give its --plan")
+            raise KeyProblem(f"tenant {tenant} is new: give its --plan")
         lines = f"\n  {tenant}:\n    plan: {plan}\n    key_sha256: [{item}]"
         if tenants is not None:  # "tenants:" with nothing after it
             start, end = tenants[1].start_mark.index, tenants[1].end_mark.index
@@ -139,26 +139,26 @@ def add_digest(text: str, tenant: str, plan: str | None, key_digest: str) -> tup
         return f"{text}{sep}tenants:{lines}\n", True
     mapping = tenants[1]
     if not isinstance(mapping, MappingNode):
-        raise KeyError_("tenants is not a mapping")
+        raise KeyProblem("tenants is not a mapping")
     for key, value in mapping.value:
         listed = _entry(value, "key_sha256") if isinstance(value, MappingNode) else None
         if listed is not None:
             digests = [listed[1]] if isinstance(listed[1], ScalarNode) else listed[1].value
             if any(str(getattr(d, "value", "")).lower() == key_digest for d in digests):
                 owner = "it" if key.value == tenant else f"tenant {key.value}"
-                raise KeyError_(f"this key is already listed for {owner}")
+                raise KeyProblem(f"this key is already listed for {owner}")
     found = _entry(mapping, tenant)
     if found is None:
         if plan is None:
-            raise KeyError_(f"tenant {tenant} is new: give its --plan")
+            raise KeyProblem(f"tenant {tenant} is new: give its --plan")
         flow = f"{{plan: {plan}, key_sha256: [{item}]}}"
         return _add_entry(text, mapping, tenant, flow, _block_tenant(mapping, plan, item)), True
     spec = found[1]
     if not isinstance(spec, MappingNode):
-        raise KeyError_(f"tenants.{tenant} is not a mapping")
+        raise KeyProblem(f"tenants.{tenant} is not a mapping")
     current = _entry(spec, "plan")
     if plan is not None and current is not None and current[1].value != plan:
-        raise KeyError_(f"tenant {tenant} is on plan {current[1].value}, not {plan}")
+        raise KeyProblem(f"tenant {tenant} is on plan {current[1].value}, not {plan}")
     listed = _entry(spec, "key_sha256")
     if listed is None:
         return _add_entry(text, spec, "key_sha256", f"[{item}]"), False
@@ -176,7 +176,7 @@ def write_checked(path: Path, text: str) -> None:
         try:
             load_config(temp)
         except ConfigError as exc:
-            raise KeyError_(f"not changed: the result would not load ({exc})") from None
+            raise KeyProblem(f"not changed: the result would not load ({exc})") from None
         if path.exists():
             os.chmod(temp, path.stat().st_mode & 0o7777)
         os.replace(temp, path)
@@ -193,15 +193,15 @@ def key_main(args: argparse.Namespace) -> int:
         try:
             text = path.read_text() if path.exists() else ""
         except OSError as exc:
-            raise KeyError_(f"cannot read {path}: {exc.strerror}") from None
+            raise KeyProblem(f"cannot read {path}: {exc.strerror}") from None
         key = new_key() if args.generate else read_key(None)
         key_digest = digest(key)
         try:
             edited, created = add_digest(text, args.tenant, args.plan, key_digest)
         except yaml.YAMLError as exc:
-            raise KeyError_(f"{path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+            raise KeyProblem(f"{path} is not valid YAML ({str(exc).splitlines()[0]})") from None
         write_checked(path, edited)
-    except KeyError_ as exc:
+    except KeyProblem as exc:
         print(f"extproc key: {exc}", file=sys.stderr)
         return 2
     what = f"new tenant {args.tenant} (plan {args.plan})" if created else f"tenant {args.tenant}"

@@ -31,6 +31,7 @@ from loadlab.compare import (
     Comparison,
     compare,
     compare_routes,
+    load_results,
     print_compare,
     write_compare,
 )
@@ -437,9 +438,8 @@ def compare_main(argv: Sequence[str]) -> int:
     args = p.parse_args(list(argv))
     try:
         if args.b is None:
-            from loadlab.compare import _load
-
-            comparison: Comparison = compare_routes(_load(args.a)["results"], args.baseline)
+            results = load_results(args.a)["results"]
+            comparison: Comparison = compare_routes(results, args.baseline)
         else:
             comparison = compare(args.a, args.b)
     except CompareError as exc:

@@ -47,7 +47,7 @@ class Comparison:
     warnings: list[str] = field(default_factory=list)
 
 
-def _load(folder: Path) -> dict[str, Any]:
+def load_results(folder: Path) -> dict[str, Any]:
     path = folder / "summary.json"
     try:
         doc = orjson.loads(path.read_bytes())
@@ -138,7 +138,7 @@ def compare_rows(
 
 def compare(a: Path, b: Path) -> Comparison:
     """Two results folders: their common (route, level) rows as ratios B/A, and warnings."""
-    doc_a, doc_b = _load(a), _load(b)
+    doc_a, doc_b = load_results(a), load_results(b)
     rows, warnings = compare_rows(doc_a["results"], doc_b["results"])
     differences = scenario_differences(doc_a.get("scenario", {}), doc_b.get("scenario", {}))
     if differences:

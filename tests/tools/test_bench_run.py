@@ -152,3 +152,24 @@ def test_compare_gives_b_over_a_per_route_and_level(run: Path, tmp_path: Path) -
         assert row["output_throughput.ratio"] == pytest.approx(ratio, rel=1e-3)
     assert (tmp_path / "cmp" / "compare.csv").read_text().startswith("route,level,")
     assert "processor" in compared.stdout
+
+
+def test_compare_of_one_folder_divides_its_routes_by_the_baseline(
+    run: Path, tmp_path: Path
+) -> None:
+    done = bench("compare", run, "--baseline", "direct", "--out", tmp_path / "cmp")
+    assert done.returncode == 0, done.stderr
+    rows = orjson.loads((tmp_path / "cmp" / "compare.json").read_bytes())
+    by = {(r["route"], r["level"]): r for r in summary(run)["results"]}
+    assert [(r["route"], r["level"]) for r in rows] == [
+        (route, level) for route in ROUTES[1:] for level in LEVELS
+    ]
+    for row in rows:
+        mine, base = by[(row["route"], row["level"])], by[("direct", row["level"])]
+        assert row["ttft_ms.p50.ratio"] == round(mine["ttft_ms"]["p50"] / base["ttft_ms"]["p50"], 4)
+    assert "B/A ratios — A: direct  B: envoy, noop, processor" in done.stdout
+    unknown = bench("compare", run, "--baseline", "nowhere")
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip() == (
+        "extproc bench compare: no route 'nowhere' (routes: direct, envoy, noop, processor)"
+    )
