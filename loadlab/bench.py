@@ -360,7 +360,8 @@ def run(argv: Sequence[str]) -> int:
     try:
         with Live(args.quiet) as live:
             live.note(
-                f"extproc bench, scenario {scenario.name}: routes {', '.join(scenario.route_names)}, "
+                f"extproc bench, scenario {scenario.name}: "
+                f"routes {', '.join(scenario.route_names)}, "
                 f"levels {', '.join(f'{x:g}' for x in scenario.levels)} ({scenario.mode}), "
                 f"load average {os.getloadavg()[0]:.1f}; results in {out}"
             )
