@@ -97,13 +97,9 @@ class Stack:
         for _, proc in reversed(running):
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
-        told = False
         for what, proc in running:
             deadline = time.monotonic() + STOP_TIMEOUT_S
             while proc.poll() is None:
-                if self.kill_asked and not told:
-                    say("killing what is still running")
-                    told = True
                 if time.monotonic() > deadline:
                     say(f"  {what} did not stop in {STOP_TIMEOUT_S:g}s: killed")
                     proc.kill()
@@ -111,6 +107,8 @@ class Stack:
                 time.sleep(TICK_S)
         for _, _, log in self.procs:
             log.close()
+        if self.kill_asked:  # said here, once: the handler itself must not print
+            say("interrupted again: killed what was still running")
         if self.procs:
             say(f"stopped: every process exited (logs in {self.workdir})")
 

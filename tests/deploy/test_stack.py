@@ -195,7 +195,7 @@ def test_a_second_ctrl_c_during_the_stop_kills_the_rest_quietly(local_stack: Loc
     os.killpg(local_stack.proc.pid, signal.SIGINT)  # during the stop: the drain takes 3 s
     assert local_stack.proc.wait(60) == 0
     out, err = local_stack.out.text(), local_stack.err.text()
-    assert "killing what is still running" in out
+    assert "interrupted again: killed what was still running" in out
     assert "stopped: every process exited" in out
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
     assert [p for p in pids if alive(p)] == []
