@@ -1,16 +1,16 @@
 # The processor image: `pip install .` of pyproject.toml on Python 3.11, the install README.md
-# ("Deploying") documents, and nothing else: no test extras, no tests. Envoy runs in its own
-# container; deploy/ holds the compose file and Kubernetes manifests that run it.
+# ("Deploying") documents, and nothing else: the processor (extproc/) alone, no simulator,
+# no load tools, no test extras, no tests. Envoy runs in its own container; deploy/ holds
+# the compose file and Kubernetes manifests that run it.
 #   docker build -t token-quota-extproc:0.1.0 .
+# tests/deploy/test_docker_context.py checks every COPY source survives .dockerignore and
+# runs this install in a clean venv from exactly the files the build context holds.
 # 3.11.7 is the interpreter the test suite runs on; bump it with the suite.
 FROM python:3.11.7-slim-bookworm
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY extproc ./extproc
-COPY llmsim ./llmsim
-COPY stack ./stack
-COPY loadlab ./loadlab
 # xds-protos ships a stale copy of opentelemetry-proto's modules (grpc/grpc#42926): put the
 # real ones back (the OTLP span exporter needs them; a no-op when they are there).
 RUN pip install --no-cache-dir . \

@@ -1,12 +1,14 @@
-"""``extproc serve``, ``check-config``, ``usage export|summary``, ``bench`` (benchmarks) and
-``chaos`` (chaos runs with an integrity report)."""
+"""``extproc serve``, ``check-config``, ``key hash|add``, ``usage export|summary``, ``bench``
+(benchmarks) and ``chaos`` (chaos runs with an integrity report)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import sys
 
 import orjson
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     check = sub.add_parser("check-config", help="validate a config, print its normal form and hash")
     check.add_argument("config")
+    _key_parser(sub)
     _usage_parser(sub)
     # Handled before parsing (its own parser, in the tools package); listed for --help.
     sub.add_parser("bench", help="streaming-latency benchmark runs (extproc bench --help)")
@@ -117,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "usage":
         return _usage(args)
+    if args.command == "key":
+        from extproc.keys import key_main
+
+        return key_main(args)
 
     if args.command == "check-config":
         try:
@@ -163,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         print("--workers must be at least 1", file=sys.stderr)
         return 2
+    problem = _serve_addresses_problem(args, config.listen)
+    if problem is not None:
+        print(f"extproc: {problem}", file=sys.stderr)
+        return 2
     if args.workers > 1:
         from extproc.transport.workers import refusal, supervise
 
@@ -187,10 +198,77 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(
             run_server(config, args.metrics_listen, args.config, overrides, args.config_poll_s)
         )
-    except RuntimeError as exc:
-        print(f"extproc: {exc}", file=sys.stderr)
+    except (RuntimeError, OSError) as exc:
+        # A port taken between the check and the bind: say which, not grpc's own words.
+        why = _serve_addresses_problem(args, config.listen) or str(exc).splitlines()[0]
+        print(f"extproc: {why}", file=sys.stderr)
         return 1
     return 0
+
+
+def _address_problem(what: str, address: str, reuse_port: bool) -> str | None:
+    """Why ``address`` (host:port) can't be listened on, in one line, or None if it can.
+
+    Checked by binding it as the server will: gRPC with SO_REUSEPORT (so ``--workers``
+    share the port, and another processor's port is shareable), /metrics without. A
+    ``unix:`` address is gRPC's to check."""
+    if address.startswith("unix:"):
+        return None
+    host, sep, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not port.isdigit() or not host:
+        return f"{what} {address!r} is not host:port (e.g. 127.0.0.1:50051, [::]:50051)"
+    if int(port) > 65535:
+        return f"{what} {address}: port {port} is above 65535"
+    try:
+        found = socket.getaddrinfo(
+            host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        return f"{what} {address}: cannot resolve {host!r} ({exc.strerror})"
+    for family, kind, proto, _, sockaddr in found:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port and hasattr(socket, "SO_REUSEPORT"):
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                why = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+                return f"{what} {address}: cannot listen: {why or exc}"
+    return None
+
+
+def _serve_addresses_problem(args: argparse.Namespace, listen: str) -> str | None:
+    """The gRPC and /metrics addresses checked before anything starts."""
+    what = "--listen" if args.listen else f"listen (in {args.config})"
+    problem = _address_problem(what, listen, reuse_port=True)
+    if problem is None and args.metrics_listen:
+        problem = _address_problem("--metrics-listen", args.metrics_listen, reuse_port=False)
+    return problem
+
+
+def _key_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    key = sub.add_parser(
+        "key",
+        help="a tenant key's SHA-256 digest (the config lists digests, never keys), or add one",
+    )
+    which = key.add_subparsers(dest="key_command", required=True)
+    digest = which.add_parser(
+        "hash",
+        help="print the digest of KEY (read from stdin when not given, so it stays out of "
+        "the shell's history)",
+    )
+    digest.add_argument("key", nargs="?")
+    add = which.add_parser(
+        "add",
+        help="add a key's digest to a tenant of a config file (the tenant is created with "
+        "--plan if new); the key is read from stdin, or made with --generate and printed",
+    )
+    add.add_argument("config")
+    add.add_argument("--tenant", required=True)
+    add.add_argument("--plan", help="the plan of a new tenant")
+    add.add_argument("--generate", action="store_true", help="make a new random key")
 
 
 def _usage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

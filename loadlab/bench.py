@@ -2,9 +2,15 @@
 
     extproc bench [SCENARIO.yaml] [--out DIR] [flags overriding the file]
     extproc bench --target http://127.0.0.1:10000 --api-key KEY [--model M] ...
+    extproc bench --target ours=URL_A --target theirs=URL_B --api-key KEY ...
     extproc bench compare RESULTS_A RESULTS_B [--out DIR]
+    extproc bench compare RESULTS [--baseline ROUTE]
 
-Exit status: 0 done, 1 a part failed, 2 a bad scenario or flag, 130 interrupted.
+Several targets are run as one scenario, their rounds interleaved at every level, and put
+side by side as ratios against the first.
+
+Exit status: 0 done, 1 a part failed or a phase completed no request, 2 a bad scenario or
+flag, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -20,10 +26,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
-from loadlab.compare import CompareError, compare, print_compare, write_compare
-from loadlab.engine import Engine, Phase
+from loadlab.compare import (
+    CompareError,
+    Comparison,
+    compare,
+    compare_routes,
+    load_results,
+    print_compare,
+    write_compare,
+)
+from loadlab.engine import Engine, Phase, Record, merge_rounds
 from loadlab.parts import Parts, Route, Terminated, raise_on_sigterm, shield_stops
 from loadlab.plots import write_plots
 from loadlab.quota_watch import BudgetWatch
@@ -31,6 +43,7 @@ from loadlab.report import Live, machine_info, summary_table, write_results
 from loadlab.rig import MODEL
 from loadlab.scenario import Scenario, ScenarioError, check, load_scenario, parse_scenario
 from loadlab.stats import summarize
+from loadlab.tables import output_console
 
 
 def _csv(kind: type, key: str) -> Any:
@@ -81,11 +94,54 @@ def run_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-tokens", type=int, help="fixed answer length")
     g.add_argument("--warmup-requests", type=int)
     g.add_argument("--timeout-s", type=float)
-    t = p.add_argument_group("an already running gateway (client-side figures only)")
-    t.add_argument("--target", help="base URL, e.g. http://127.0.0.1:10000")
-    t.add_argument("--api-key")
-    t.add_argument("--model")
+    g.add_argument("--api", choices=("chat", "completions"), help="the request's API")
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        help="ask for exactly max_tokens tokens (vLLM, llmsim; default on). Off for an API "
+        "that refuses the field",
+    )
+    g.add_argument("--interleave", type=int, help="rounds per level, the routes in turn")
+    t = p.add_argument_group("already running endpoints (client-side figures only)")
+    t.add_argument(
+        "--target",
+        action="append",
+        help="[NAME=]URL of an OpenAI-compatible endpoint, e.g. http://127.0.0.1:10000 "
+        "(http or https); repeat it to compare endpoints side by side",
+    )
+    t.add_argument(
+        "--api-key", action="append", help="its API key: one for all, or one per --target"
+    )
+    t.add_argument("--model", help="the model to ask for")
     return p
+
+
+def _targets(args: argparse.Namespace, base: Scenario) -> list[dict[str, Any]] | None:
+    """The --target/--api-key flags as the scenario's ``targets`` (None: neither given)."""
+    keys = list(args.api_key or [])
+    if args.target:
+        targets: list[dict[str, Any]] = []
+        for value in args.target:
+            name, sep, url = value.partition("=")
+            if not sep or "://" in name:
+                name, url = "", value
+            targets.append({"url": url} | ({"name": name} if name else {}))
+    elif keys:
+        if not base.targets:
+            raise ScenarioError("target.api_key", "--api-key needs a --target")
+        targets = [t.to_doc() for t in base.targets]
+    else:
+        return None
+    if keys and len(keys) not in (1, len(targets)):
+        raise ScenarioError(
+            "target.api_key", f"give one --api-key, or one per --target ({len(targets)})"
+        )
+    for i, target in enumerate(targets):
+        if keys:
+            target["api_key"] = keys[0] if len(keys) == 1 else keys[i]
+        elif args.target is None and base.targets[i].api_key is not None:
+            target["api_key"] = base.targets[i].api_key
+    return targets
 
 
 def build_scenario(args: argparse.Namespace) -> Scenario:
@@ -140,9 +196,13 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     put("load", "output_tokens", args.output_tokens)
     put("load", "warmup_requests", args.warmup_requests)
     put("load", "timeout_s", args.timeout_s)
-    put("target", "url", args.target)
-    put("target", "model", args.model)
-    put("target", "api_key", args.api_key)
+    put("load", "api", args.api)
+    put("load", "ignore_eos", args.ignore_eos)
+    put("load", "interleave", args.interleave)
+    put(None, "model", args.model)
+    targets = _targets(args, base)
+    if targets is not None:
+        doc["targets"] = targets
     return parse_scenario(doc, base) if doc else base
 
 
@@ -155,29 +215,43 @@ async def _level(
     redis_url: str,
     tag: str = "",
 ) -> list[Phase]:
-    """Every route in turn at one level: a change in the machine's load hits all alike."""
+    """Every route in turn at one level: a change in the machine's load hits all alike. In
+    rounds (``rounds_per_level``), forward then backward (ABBA…), merged per route."""
     level = scenario.levels[level_index]
     unit = "streams" if scenario.mode == "closed" else "req/s"
-    out = []
-    for route in routes:
-        watch = None
-        variant = scenario.variant_of(route.name)
-        # A sliding counter has no per-fixed-window figure to read: its check is the busiest
-        # interval of what the client received (stats.busiest_interval).
-        fixed = variant is not None and variant.window == "fixed"
-        if scenario.budget and fixed and route.tenants and redis_url.startswith("redis"):
-            watch = BudgetWatch(
-                redis_url, route.tenants[level_index], MODEL, scenario.budget.window_s
-            )
-            watch.start()
-        with live.phase(
-            f"{route.name} @ {level:g} {unit}{tag}", scenario.phase_requests(level)
-        ) as advance:
-            phase = await engine.run_phase(route, level_index, advance)
-        if watch is not None:
-            phase.charged = await watch.stop()
-        out.append(phase)
-    return out
+    rounds = scenario.rounds_per_level
+    per_round = engine.round_requests(level)
+    total = None if per_round is None else per_round * rounds
+    done: dict[str, list[Phase]] = {route.name: [] for route in routes}
+
+    def kind(record: Record) -> str:
+        if record.outcome == "ok":
+            return "ok"
+        if scenario.budget is not None and record.outcome in ("cut", "refused"):
+            return "cut" if record.outcome == "cut" else "429"  # what a budget does
+        return "failed"
+
+    for round_index in range(rounds):
+        for route in routes if round_index % 2 == 0 else list(reversed(routes)):
+            watch = None
+            variant = scenario.variant_of(route.name)
+            # A sliding counter has no per-fixed-window figure to read: its check is the
+            # busiest interval of what the client received (stats.busiest_interval).
+            fixed = variant is not None and variant.window == "fixed"
+            if scenario.budget and fixed and route.tenants and redis_url.startswith("redis"):
+                watch = BudgetWatch(
+                    redis_url, route.tenants[level_index], MODEL, scenario.budget.window_s
+                )
+                watch.start()
+            part = f"round {round_index + 1}/{rounds}" if rounds > 1 else ""
+            with live.phase(f"{route.name} @ {level:g} {unit}{tag}", total, part) as advance:
+                phase = await engine.run_phase(
+                    route, level_index, lambda r: advance(kind(r)), round_index
+                )
+            if watch is not None:
+                phase.charged = await watch.stop()
+            done[route.name].append(phase)
+    return [merge_rounds(done[route.name]) for route in routes]
 
 
 def ceiling_trips(phases: Sequence[Phase], scenario: Scenario) -> tuple[list[str], dict[str, Any]]:
@@ -278,7 +352,7 @@ def run(argv: Sequence[str]) -> int:
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     out: Path = args.out or Path("results") / f"{scenario.name}-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = output_console()
     started = time.monotonic()
     info: dict[str, Any] = {"started_utc": stamp, "machine": machine_info()}
     previous = signal.signal(signal.SIGTERM, raise_on_sigterm)
@@ -286,7 +360,8 @@ def run(argv: Sequence[str]) -> int:
     try:
         with Live(args.quiet) as live:
             live.note(
-                f"extproc bench {scenario.name}: routes {', '.join(scenario.route_names)}, "
+                f"extproc bench, scenario {scenario.name}: "
+                f"routes {', '.join(scenario.route_names)}, "
                 f"levels {', '.join(f'{x:g}' for x in scenario.levels)} ({scenario.mode}), "
                 f"load average {os.getloadavg()[0]:.1f}; results in {out}"
             )
@@ -323,30 +398,57 @@ def run(argv: Sequence[str]) -> int:
     if ceiling is not None:
         info["ceiling"] = ceiling
     write_results(out, scenario.to_doc(), info, phases, rows)
-    write_plots(phases, rows, out / "plots", scenario.mode, scenario.budget is not None)
+    plots = write_plots(phases, rows, out / "plots", scenario.mode, scenario.budget is not None)
     summary_table(rows, console)
     if ceiling is not None:
         console.print(ceiling_line(scenario, ceiling))
-    console.print(f"results: {out} ({info['wall_s']:.0f}s)")
-    return 0
+    if len(scenario.targets) > 1:
+        side_by_side = compare_routes(rows)
+        write_compare(side_by_side.rows, out)
+        print_compare(side_by_side, console)
+    console.print(f"results: {out} ({info['wall_s']:.0f}s); plots: {plots.line()}")
+    empty = [r for r in rows if r["completed"] == 0]
+    for row in empty:
+        print(f"extproc bench: {no_request_completed(row, phases)}", file=sys.stderr)
+    return 1 if empty else 0
+
+
+def no_request_completed(row: dict[str, Any], phases: Sequence[Phase]) -> str:
+    """Why a phase measured nothing: its outcomes and the first failure's detail."""
+    phase = next(p for p in phases if (p.route, p.level) == (row["route"], row["level"]))
+    outcomes = ", ".join(f"{k} {n}" for k, n in row["outcomes"].items())
+    first = next((r.detail for r in phase.records if r.detail), None)
+    why = f"; the first: {first}" if first else ""
+    return (
+        f"no request completed at {row['route']} @ {row['level']:g} "
+        f"({row['requests']} sent: {outcomes or 'none'}){why}"
+    )
 
 
 def compare_main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(
-        prog="extproc bench compare", description="Two results folders side by side: B/A."
+        prog="extproc bench compare",
+        description="Two results folders side by side (B/A), or one run's routes against "
+        "its first (or --baseline). For two gateways on one backend, prefer one run with "
+        "two --target flags: the same scenario, rounds interleaved.",
     )
     p.add_argument("a", type=Path)
-    p.add_argument("b", type=Path)
-    p.add_argument("--out", type=Path, help="where compare.json/csv go (default: B)")
+    p.add_argument("b", type=Path, nargs="?")
+    p.add_argument("--baseline", help="with one folder: the route the others are divided by")
+    p.add_argument("--out", type=Path, help="where compare.json/csv go (default: B, or A)")
     args = p.parse_args(list(argv))
     try:
-        rows = compare(args.a, args.b)
+        if args.b is None:
+            results = load_results(args.a)["results"]
+            comparison: Comparison = compare_routes(results, args.baseline)
+        else:
+            comparison = compare(args.a, args.b)
     except CompareError as exc:
         print(f"extproc bench compare: {exc}", file=sys.stderr)
         return 2
-    json_path, csv_path = write_compare(rows, args.out or args.b)
-    console = Console(width=None if sys.stdout.isatty() else 200)
-    print_compare(rows, console, args.a, args.b)
+    json_path, csv_path = write_compare(comparison.rows, args.out or args.b or args.a)
+    console = output_console()
+    print_compare(comparison, console)
     console.print(f"written: {json_path}, {csv_path}")
     return 0
 

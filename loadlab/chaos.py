@@ -51,6 +51,7 @@ from loadlab.parts import CHAT_PATH, Terminated, raise_on_sigterm, shield_stops
 from loadlab.report import Live, machine_info
 from loadlab.rig import MODEL
 from loadlab.scenario import ScenarioError
+from loadlab.tables import output_console, print_table
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SCENARIO = ROOT / "benchmarks" / "chaos" / "default.yaml"
@@ -291,8 +292,13 @@ async def _run(
     watcher = Watcher(parts.redis_url)
     watcher.start()
     total = None
+    live.note(
+        "  progress: ok = complete; expected = what the scenario causes (budget cut-offs, "
+        "refusals, injected errors, clients hanging up, resets during a fault); failed = "
+        "anything else (the report's 'malformed')"
+    )
     with live.phase(f"chaos {s.name}: {s.duration_s:g}s at {s.rate:g} req/s", total) as adv:
-        load = Load(s, parts, lambda rec: adv(_Progress(rec)))
+        load = Load(s, parts, lambda rec: adv(progress_kind(rec, parts, load.origin, s)))
         load.origin = time.time() + 0.2
         faults = [asyncio.create_task(_fault(parts, load.origin, f, live)) for f in s.faults]
         try:
@@ -323,11 +329,13 @@ async def _run(
     }
 
 
-class _Progress:
-    """What ``Live.phase``'s advance reads: a request's outcome, ok or not."""
-
-    def __init__(self, rec: dict[str, Any]) -> None:
-        self.outcome = "ok" if rec["detail"] in ("done", "client_closed", "error_event") else "x"
+def progress_kind(rec: dict[str, Any], parts: ChaosParts, origin: float, s: ChaosScenario) -> str:
+    """The progress bar's kind of a request just ended: its class against the faults applied
+    so far (the report classifies again with the whole timeline)."""
+    now = time.time()
+    spans = [(a.started_s - origin, (a.ended_s or now) - origin) for a in parts.applied]
+    outcome = classify(rec, spans, s)
+    return "ok" if outcome == "complete" else "failed" if outcome == MALFORMED else "expected"
 
 
 def integrity(
@@ -404,17 +412,26 @@ def write_all(
 
 
 def print_report(console: Console, summary: dict[str, Any], checks: list[Check]) -> None:
-    t = Table(title="extproc chaos: requests by outcome")
     classes = (*WELL_FORMED, *EXCUSED, MALFORMED)
-    for h in ("requests", *classes, "faults applied"):
-        t.add_column(h, justify="right")
     o = summary["outcomes"]
-    t.add_row(
-        str(summary["requests"]),
-        *(str(o.get(k, 0)) for k in classes),
-        ", ".join(f"{f['fault']}@{f['at_s']:.0f}s" for f in summary["faults"]) or "-",
+    print_table(
+        console,
+        "extproc chaos: requests by outcome",
+        ["requests", *classes],
+        [[str(summary["requests"]), *(str(o.get(k, 0)) for k in classes)]],
+        keys=1,
     )
-    console.print(t)
+    console.print(
+        f"well-formed: {', '.join(WELL_FORMED)}; explained by the scenario: "
+        f"{', '.join(EXCUSED)}; {MALFORMED}: neither (fails well_formed_outcomes)."
+    )
+    faults = [
+        f"{f['fault']} {f['at_s']:.1f}–{f['until_s']:.1f}s"
+        if f["until_s"] is not None and f["until_s"] - f["at_s"] >= 0.1
+        else f"{f['fault']} at {f['at_s']:.1f}s"
+        for f in summary["faults"]
+    ]
+    console.print(escape(f"faults applied: {'; '.join(faults) or 'none'}"))
     it = Table(title="integrity: one row per invariant")
     it.add_column("invariant")
     it.add_column("result")
@@ -434,7 +451,7 @@ def main(argv: Sequence[str]) -> int:
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     out: Path = args.out or Path("results") / f"chaos-{s.name}-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = output_console()
     started = time.monotonic()
     info: dict[str, Any] = {"started_utc": stamp, "machine": machine_info()}
     previous = signal.signal(signal.SIGTERM, raise_on_sigterm)

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import random
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadlab.client import TimedStream, chat_request, timed_stream
+import orjson
+
+from loadlab.client import TimedStream, chat_request, host_header, timed_stream
 from loadlab.parts import Route
 from loadlab.rig import cpu_seconds
 from loadlab.scenario import Scenario
@@ -54,6 +58,7 @@ class Record:
     chunk_arrival_ms: list[float] = field(default_factory=list)  # since start_ns
     error_code: str | None = None
     retry_after_s: float | None = None
+    detail: str | None = None  # why it isn't ok, in a few words (an error's message)
 
     def to_doc(self) -> dict[str, Any]:
         return {
@@ -75,6 +80,7 @@ class Record:
             "chunk_arrival_ms": self.chunk_arrival_ms,
             "error_code": self.error_code,
             "retry_after_s": self.retry_after_s,
+            "detail": self.detail,
         }
 
 
@@ -88,7 +94,10 @@ class Phase:
     charged: dict[int, int] | None = None  # window start → tokens the processor charged
 
 
-def _outcome(stream: TimedStream, asked: int, tokens_per_chunk: int) -> str:
+def _outcome(stream: TimedStream, asked: int, tokens_per_chunk: int | None) -> str:
+    """``tokens_per_chunk`` None: a backend not started here, whose answers may end before
+    ``max_tokens`` (no ignore_eos) and group tokens as it likes: any complete stream with a
+    token in it is ok."""
     if stream.status == 0:
         return "timeout" if stream.timed_out else "connect_failed"
     if stream.status == 429:
@@ -99,10 +108,45 @@ def _outcome(stream: TimedStream, asked: int, tokens_per_chunk: int) -> str:
         return "cut"
     if stream.timed_out:
         return "timeout"
-    expected_events = -(-asked // tokens_per_chunk)
-    if not stream.complete or len(stream.arrivals_ns) != expected_events:
+    if not stream.complete or not stream.arrivals_ns:
+        return "short"
+    if tokens_per_chunk is not None and len(stream.arrivals_ns) != -(-asked // tokens_per_chunk):
         return "short"
     return "ok"
+
+
+def _body_message(body: bytes) -> str:
+    """An error body's message (OpenAI's ``{"error": {"message"}}``), else its first line."""
+    try:
+        doc = orjson.loads(body)
+        error = doc.get("error") if isinstance(doc, dict) else None
+        message = error.get("message") if isinstance(error, dict) else error
+        if isinstance(message, str) and message:
+            return message
+    except orjson.JSONDecodeError:
+        pass
+    text = body.decode("utf-8", "replace").strip()
+    return text.splitlines()[0] if text else "no body"
+
+
+def _detail(stream: TimedStream, outcome: str) -> str | None:
+    if outcome == "ok":
+        return None
+    if outcome == "connect_failed":
+        return f"connection failed: {stream.connect_error or 'refused'}"
+    if outcome in ("error", "refused"):
+        return f"HTTP {stream.status}: {_body_message(stream.body)[:200]}"
+    if outcome == "cut":
+        return f"error event {stream.error_code}"
+    if outcome == "timeout":
+        return f"no end after the timeout ({len(stream.arrivals_ns)} token events)"
+    if not stream.arrivals_ns:
+        events = stream.other_events + stream.unreadable_events
+        why = f"{stream.unreadable_events} not JSON" if stream.unreadable_events else "none"
+        return f"no token event among {events} events ({why}); done={stream.saw_done}"
+    if not stream.complete:
+        return f"stream ended early after {len(stream.arrivals_ns)} token events"
+    return f"{len(stream.arrivals_ns)} token events, not the answer's length"
 
 
 def make_record(
@@ -112,12 +156,15 @@ def make_record(
     stream: TimedStream,
     prompt_words: int,
     asked: int,
-    tokens_per_chunk: int,
+    tokens_per_chunk: int | None,
+    overhead: int = CHAT_OVERHEAD,
 ) -> Record:
+    """``tokens_per_chunk`` None: not our simulator (see ``_outcome``); without a usage
+    event its output is counted as one token per event."""
     arrivals, sent = stream.arrivals_ns, stream.sent_ns
     outcome = _outcome(stream, asked, tokens_per_chunk)
     events = len(arrivals)
-    counted = min(asked, events * tokens_per_chunk)
+    counted = min(asked, events * (tokens_per_chunk or 1))
     output = stream.completion_tokens if stream.completion_tokens is not None else counted
     if outcome == "cut":
         output = counted  # what reached the client, whatever usage the meter closed with
@@ -126,7 +173,13 @@ def make_record(
     tpot = None
     if e2el is not None and ttft is not None and output > 1:
         tpot = (e2el - ttft) / (output - 1)
-    stamps = stream.stamps_ns if len(stream.stamps_ns) == events else []
+    # Stamps only when every token event carried one (llmsim's ext-stamp-events): other
+    # backends send none, and one missing would pair every later stamp with another event.
+    chunk_us = []
+    if events and len(stream.stamps_ns) == events:
+        chunk_us = [
+            round((a - s) / 1e3, 1) for a, s in zip(arrivals, stream.stamps_ns, strict=True)
+        ]
     return Record(
         route=route,
         level=level,
@@ -136,7 +189,7 @@ def make_record(
         outcome=outcome,
         prompt_tokens=stream.prompt_tokens
         if stream.prompt_tokens is not None
-        else prompt_words + CHAT_OVERHEAD,
+        else prompt_words + overhead,
         max_tokens=asked,
         output_tokens=output,
         events=events,
@@ -144,10 +197,11 @@ def make_record(
         e2el_ms=e2el,
         tpot_ms=tpot,
         itl_ms=[round((b - a) / 1e6, 4) for a, b in itertools.pairwise(arrivals)],
-        chunk_latency_us=[round((a - s) / 1e3, 1) for a, s in zip(arrivals, stamps, strict=True)],
+        chunk_latency_us=chunk_us,
         chunk_arrival_ms=[round((a - sent) / 1e6, 3) for a in arrivals],
         error_code=stream.error_code,
         retry_after_s=stream.retry_after_s,
+        detail=_detail(stream, outcome),
     )
 
 
@@ -175,18 +229,28 @@ class Engine:
 
     def __init__(self, scenario: Scenario) -> None:
         self.s = scenario
+        self._tls: ssl.SSLContext | None = None
+        self._models = {t.name: t.model for t in scenario.targets if t.model is not None}
+
+    def tls(self) -> ssl.SSLContext:
+        """The system's CAs (SSL_CERT_FILE / SSL_CERT_DIR choose others), made once."""
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
 
     def _payload(self, rng: random.Random) -> tuple[dict[str, Any], int, int]:
         words = self.s.prompt_tokens.draw(rng)
         asked = self.s.output_tokens.draw(rng)
-        payload = {
-            "model": self.s.model,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": (WORD * words).strip()}],
-            "max_tokens": asked,
-            "ignore_eos": True,  # exactly max_tokens tokens: the lengths are the scenario's
-        }
+        prompt = (WORD * words).strip()
+        payload: dict[str, Any] = {"model": self.s.model, "stream": True}
+        payload["stream_options"] = {"include_usage": True}
+        if self.s.api == "chat":
+            payload["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            payload["prompt"] = prompt
+        payload["max_tokens"] = asked
+        if self.s.ignore_eos:
+            payload["ignore_eos"] = True  # exactly max_tokens tokens: the scenario's lengths
         return payload, words, asked
 
     async def _one(
@@ -198,15 +262,25 @@ class Engine:
         drawn: tuple[dict[str, Any], int, int],
     ) -> Record:
         payload, words, asked = drawn
+        if route.name in self._models:
+            payload = {**payload, "model": self._models[route.name]}
         rid = f"{route.name}-{level:g}-{index}-{time.time_ns()}"
-        request = chat_request(
-            route.path, payload, rid, route.api_key(level_index), host=f"{route.host}"
-        )
+        host = host_header(route.host, route.port, route.tls)
+        request = chat_request(route.path, payload, rid, route.api_key(level_index), host=host)
         try:
-            stream = await timed_stream(route.port, request, rid, self.s.timeout_s, route.host)
-        except OSError:
-            stream = TimedStream(rid, sent_ns=time.time_ns())
-        return make_record(route.name, level, index, stream, words, asked, self.s.tokens_per_chunk)
+            stream = await timed_stream(
+                route.port,
+                request,
+                rid,
+                self.s.timeout_s,
+                route.host,
+                tls=self.tls() if route.tls else None,
+            )
+        except OSError as exc:  # refused, unreachable, a TLS handshake that failed
+            stream = TimedStream(rid, sent_ns=time.time_ns(), connect_error=str(exc)[:200])
+        per_chunk = self.s.tokens_per_chunk if route.exact_lengths else None
+        overhead = CHAT_OVERHEAD if self.s.api == "chat" else 0
+        return make_record(route.name, level, index, stream, words, asked, per_chunk, overhead)
 
     async def warm(self, route: Route) -> None:
         """A few requests first: connection pools, tokenizers, Redis scripts."""
@@ -219,20 +293,35 @@ class Engine:
             )
         )
 
+    def round_requests(self, level: float) -> int | None:
+        """Requests per route in one round of a level (None: the round runs for a time)."""
+        total = self.s.phase_requests(level)
+        rounds = self.s.rounds_per_level
+        if total is None or rounds == 1:
+            return total
+        floor = int(level) if self.s.mode == "closed" else 1  # every stream busy
+        return max(math.ceil(total / rounds), floor)
+
     async def run_phase(
         self,
         route: Route,
         level_index: int,
         on_done: Callable[[Record], None] = lambda _: None,
+        round_index: int = 0,
     ) -> Phase:
+        """One route at one level, or its ``round_index``-th round of
+        ``rounds_per_level`` (a share of the level's requests or duration)."""
         s = self.s
         level = s.levels[level_index]
-        total = s.phase_requests(level)
+        rounds = s.rounds_per_level
+        total = self.round_requests(level)
         # The same lengths and arrival times on every route at one level: like for like.
-        rng = random.Random(f"{s.seed}-{level_index}")
+        seed = f"{s.seed}-{level_index}" + (f"-{round_index}" if rounds > 1 else "")
+        rng = random.Random(seed)
         records: list[Record] = []
         started = time.monotonic()
-        deadline = None if s.duration_s is None else started + s.duration_s
+        duration = None if s.duration_s is None else s.duration_s / rounds
+        deadline = None if duration is None else started + duration
         cpu_before, jiffies_before = _cpu(route.pids), _machine_jiffies()
 
         def more(issued: int) -> bool:
@@ -263,7 +352,7 @@ class Engine:
             cap = asyncio.Semaphore(s.max_concurrency)
             tasks: list[asyncio.Task[None]] = []
 
-            gaps = random.Random(f"{s.seed}-{level_index}-arrivals")
+            gaps = random.Random(f"{seed}-arrivals")
 
             async def arrival(index: int, drawn: tuple[dict[str, Any], int, int]) -> None:
                 async with cap:
@@ -290,3 +379,23 @@ class Engine:
         share["machine"] = busy / all_ if all_ > 0 else 0.0
         records.sort(key=lambda r: r.index)
         return Phase(route.name, level, records, wall, share)
+
+
+def merge_rounds(rounds: list[Phase]) -> Phase:
+    """One route's rounds at one level as one phase: records renumbered in order, wall
+    times summed, CPU shares weighted by each round's wall time."""
+    first = rounds[0]
+    if len(rounds) == 1:
+        return first
+    records: list[Record] = []
+    for phase in rounds:
+        for record in phase.records:
+            record.index = len(records)
+            records.append(record)
+    wall = sum(p.wall_s for p in rounds)
+    roles = set.intersection(*(set(p.cpu_share) for p in rounds))
+    share = {
+        role: sum(p.cpu_share[role] * p.wall_s for p in rounds) / wall if wall > 0 else 0.0
+        for role in sorted(roles)
+    }
+    return Phase(first.route, first.level, records, wall, share)

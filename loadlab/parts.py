@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from loadlab.gateway import Processor, key_hash, write_config
 from loadlab.redis_server import RedisServer
 from loadlab.rig import MODELS, ROOMY, start_envoy, start_noop_processor
-from loadlab.scenario import Scenario, Variant
+from loadlab.scenario import Scenario, Target, Variant
 from loadlab.simulator import Simulator
 
 CHAT_PATH = "/v1/chat/completions"
@@ -58,6 +58,10 @@ class Route:
     keys: list[str] = field(default_factory=list)
     tenants: list[str] = field(default_factory=list)  # the keys' tenants, when known
     pids: dict[str, int] = field(default_factory=dict)  # role → PID
+    tls: bool = False  # https
+    # The simulator started here: its token events are counted against what was asked
+    # (tokens_per_chunk); a target's answers are taken as they come.
+    exact_lengths: bool = True
 
     def api_key(self, level_index: int) -> str | None:
         return self.keys[level_index] if self.keys else None
@@ -115,14 +119,31 @@ def simulator_args(scenario: Scenario) -> list[str]:
     ]  # fmt: skip
 
 
-def target_route(scenario: Scenario) -> Route:
-    """The already running gateway of ``--target``: nothing started, client-side only."""
-    assert scenario.target is not None
-    url = urlsplit(scenario.target)
-    base = url.path.rstrip("/")
-    path = base + "/chat/completions" if base.endswith("/v1") else base + CHAT_PATH
-    keys = [scenario.api_key] * (len(scenario.levels) + 1) if scenario.api_key else []
-    return Route("target", url.hostname or "127.0.0.1", url.port or 80, path, keys, {})
+def target_path(url: str, api: str) -> str:
+    """The request path of a target URL: a full endpoint path as it is, else the API's path
+    under it (``/v1`` added unless the URL ends with it); a query string stays."""
+    parts = urlsplit(url)
+    base = parts.path.rstrip("/")
+    endpoint = "/chat/completions" if api == "chat" else "/completions"
+    if not base.endswith(("/chat/completions", "/completions")):
+        base += endpoint if base.endswith("/v1") else "/v1" + endpoint
+    return base + (f"?{parts.query}" if parts.query else "")
+
+
+def target_route(target: Target, scenario: Scenario) -> Route:
+    """An already running endpoint of ``--target``: nothing started, client-side only."""
+    url = urlsplit(target.url)
+    tls = url.scheme == "https"
+    keys = [target.api_key] * (len(scenario.levels) + 1) if target.api_key else []
+    return Route(
+        target.name,
+        url.hostname or "127.0.0.1",
+        url.port or (443 if tls else 80),
+        target_path(target.url, scenario.api),
+        keys,
+        tls=tls,
+        exact_lengths=False,
+    )
 
 
 class Parts:
@@ -159,8 +180,8 @@ class Parts:
 
     def start(self) -> list[Route]:
         s = self.scenario
-        if s.target is not None:
-            self.routes = [target_route(s)]
+        if s.targets:
+            self.routes = [target_route(t, s) for t in s.targets]
             return self.routes
         self.workdir.mkdir(parents=True, exist_ok=True)
         me = os.getpid()
@@ -170,19 +191,19 @@ class Parts:
         routes: list[Route] = []
         for name in s.routes:
             if name == "direct":
-                routes.append(Route("direct", "127.0.0.1", sim.port, pids=dict(common)))
+                routes.append(Route("direct", "127.0.0.1", sim.port, s.path, pids=dict(common)))
             elif name == "envoy":
                 envoy, _ = start_envoy(self.workdir, None, sim.port, "envoy")
                 self._stoppers.append(envoy.stop)
                 pids = {**common, "envoy": envoy.process.pid}
-                routes.append(Route("envoy", "127.0.0.1", envoy.ports.listen, pids=pids))
+                routes.append(Route("envoy", "127.0.0.1", envoy.ports.listen, s.path, pids=pids))
             elif name == "noop":
                 noop, noop_port = start_noop_processor(self.workdir)
                 self._stoppers.append(noop.stop)
                 envoy, _ = start_envoy(self.workdir, noop_port, sim.port, "noop")
                 self._stoppers.append(envoy.stop)
                 pids = {**common, "envoy": envoy.process.pid, "processor": noop.pid}
-                routes.append(Route("noop", "127.0.0.1", envoy.ports.listen, pids=pids))
+                routes.append(Route("noop", "127.0.0.1", envoy.ports.listen, s.path, pids=pids))
             else:
                 routes += self._processor_routes(sim, common)
         self.routes = routes
@@ -208,6 +229,7 @@ class Parts:
                 s.variant_route(v),
                 "127.0.0.1",
                 envoy.ports.listen,
+                s.path,
                 keys=[tenant_key(v, i) for i in range(len(s.levels) + 1)],
                 tenants=[tenant_id(v_index, i) for i in range(len(s.levels) + 1)],
                 pids=dict(pids),

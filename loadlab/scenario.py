@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -23,6 +24,10 @@ CHARGE_MODES = ("incremental", "reserve_max")
 LOAD_MODES = ("closed", "rate")
 WINDOWS = ("fixed", "sliding")
 DISTRIBUTIONS = ("fixed", "uniform", "normal")
+APIS = ("chat", "completions")
+TARGET_SCHEMES = ("http://", "https://")
+# Targets interleaved when a scenario has several and says nothing: rounds per level.
+DEFAULT_TARGET_ROUNDS = 4
 
 
 class ScenarioError(ValueError):
@@ -112,6 +117,24 @@ class Ceiling:
 
 
 @dataclass(frozen=True)
+class Target:
+    """An already running OpenAI-compatible endpoint (this gateway, vLLM, a LiteLLM proxy,
+    a hosted API): measured from the client side only. ``name`` is its route in the
+    results; ``model`` None takes the scenario's."""
+
+    url: str
+    name: str = "target"
+    api_key: str | None = None
+    model: str | None = None
+
+    def to_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"name": self.name, "url": self.url}
+        if self.model is not None:
+            doc["model"] = self.model
+        return doc  # never the API key
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str = "bench"
     description: str = ""
@@ -139,10 +162,26 @@ class Scenario:
     warmup_requests: int = 4
     timeout_s: float = 60.0
     ceiling: Ceiling | None = None
-    # --target: an already running gateway, client-side figures only
-    target: str | None = None
-    api_key: str | None = None
+    # The request: chat or completions; ignore_eos asks for exactly max_tokens tokens
+    api: str = "chat"
+    ignore_eos: bool = True
+    # Each level in this many rounds, the routes in turn (forward, then backward: ABBA…)
+    # so a drift of the machine's load or of a shared backend hits every route alike;
+    # None: 1, or DEFAULT_TARGET_ROUNDS with several targets.
+    interleave: int | None = None
+    # --target: already running endpoints, client-side figures only
+    targets: tuple[Target, ...] = ()
     model: str = "gpt-4.1"
+
+    @property
+    def rounds_per_level(self) -> int:
+        if self.interleave is not None:
+            return self.interleave
+        return DEFAULT_TARGET_ROUNDS if len(self.targets) > 1 else 1
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.api == "chat" else "/v1/completions"
 
     @property
     def variants(self) -> tuple[Variant, ...]:
@@ -158,8 +197,8 @@ class Scenario:
     @property
     def route_names(self) -> tuple[str, ...]:
         """Every route as it appears in the results (``processor`` once per variant)."""
-        if self.target is not None:
-            return ("target",)
+        if self.targets:
+            return tuple(t.name for t in self.targets)
         out: list[str] = []
         for route in self.routes:
             out += (
@@ -211,10 +250,14 @@ class Scenario:
                 "warmup_requests": self.warmup_requests,
                 "timeout_s": self.timeout_s,
                 "ceiling": None if self.ceiling is None else dataclasses.asdict(self.ceiling),
+                "api": self.api,
+                "ignore_eos": self.ignore_eos,
+                "interleave": self.rounds_per_level,
             },
         }
-        if self.target is not None:
-            doc["target"] = {"url": self.target, "model": self.model}  # never the API key
+        if self.targets:
+            doc["targets"] = [t.to_doc() for t in self.targets]
+            doc["model"] = self.model
         return doc
 
 
@@ -329,7 +372,8 @@ def _budget(value: object) -> Budget:
 # ``run``: what a results folder's scenario.yaml adds (versions, machine); ignored, so that
 # file can be run again as it is.
 TOP_KEYS = {
-    "name", "description", "seed", "simulator", "routes", "processor", "load", "target", "run",
+    "name", "description", "seed", "simulator", "routes", "processor", "load", "target",
+    "targets", "model", "run",
 }  # fmt: skip
 
 
@@ -387,8 +431,21 @@ def parse_scenario(doc: object, base: Scenario | None = None) -> Scenario:
         {
             "mode", "levels", "requests", "rounds", "duration_s", "max_concurrency",
             "prompt_tokens", "output_tokens", "warmup_requests", "timeout_s", "ceiling",
+            "api", "ignore_eos", "interleave",
         },
     )  # fmt: skip
+    if "api" in load:
+        changes["api"] = _choice(load["api"], "load.api", APIS)
+    if "ignore_eos" in load:
+        if not isinstance(load["ignore_eos"], bool):
+            raise ScenarioError(
+                "load.ignore_eos", f"must be true or false, got {load['ignore_eos']!r}"
+            )
+        changes["ignore_eos"] = load["ignore_eos"]
+    if "interleave" in load:
+        changes["interleave"] = (
+            None if load["interleave"] is None else _int(load["interleave"], "load.interleave", 1)
+        )
     if "mode" in load:
         changes["mode"] = _choice(load["mode"], "load.mode", LOAD_MODES)
     if "levels" in load:
@@ -444,15 +501,50 @@ def parse_scenario(doc: object, base: Scenario | None = None) -> Scenario:
                     c.get("cpu_share", default.cpu_share), "load.ceiling.cpu_share", positive=True
                 ),
             )
+    if "model" in top:
+        changes["model"] = _str(top["model"], "model")
+    if "target" in top and "targets" in top:
+        raise ScenarioError("targets", "give target (one) or targets (a list), not both")
     if "target" in top:
-        target = _mapping(top["target"], "target", {"url", "model", "api_key"})
-        if "url" in target:
-            changes["target"] = _str(target["url"], "target.url")
-        if "model" in target:
-            changes["model"] = _str(target["model"], "target.model")
-        if "api_key" in target:
-            changes["api_key"] = _str(target["api_key"], "target.api_key")
+        if top["target"] is None:
+            changes["targets"] = ()
+        else:
+            target = _target(top["target"], "target")
+            if target.model is not None:  # a lone target's model is the run's
+                changes["model"] = target.model
+                target = dataclasses.replace(target, model=None)
+            changes["targets"] = _named([target])
+    if "targets" in top:
+        items = [] if top["targets"] is None else _list(top["targets"], "targets")
+        targets = [_target(t, f"targets[{i}]") for i, t in enumerate(items)]
+        changes["targets"] = _named(targets)
     return check(dataclasses.replace(s, **changes))
+
+
+def _target(value: object, key: str) -> Target:
+    doc = _mapping(value, key, {"name", "url", "model", "api_key"})
+    if "url" not in doc:
+        raise ScenarioError(f"{key}.url", "is required")
+    return Target(
+        url=_str(doc["url"], f"{key}.url"),
+        name=_str(doc["name"], f"{key}.name") if "name" in doc else "",
+        api_key=_str(doc["api_key"], f"{key}.api_key") if doc.get("api_key") is not None else None,
+        model=_str(doc["model"], f"{key}.model") if doc.get("model") is not None else None,
+    )
+
+
+def _named(targets: list[Target]) -> tuple[Target, ...]:
+    """Every target with a route name of its own: the one given, else ``target`` for a lone
+    one, else its host:port."""
+    out: list[Target] = []
+    for t in targets:
+        name = t.name or ("target" if len(targets) == 1 else t.url.split("://", 1)[-1])
+        out.append(dataclasses.replace(t, name=name.rstrip("/")))
+    names = [t.name for t in out]
+    for name in names:
+        if names.count(name) > 1:
+            raise ScenarioError("targets", f"two targets are named {name!r}: name them (NAME=URL)")
+    return tuple(out)
 
 
 def check(s: Scenario) -> Scenario:
@@ -471,8 +563,16 @@ def check(s: Scenario) -> Scenario:
         raise ScenarioError("load.duration_s", "give load.requests or load.duration_s, not both")
     if s.itl_std_ms > 0.3 * s.itl_ms + 1e-12:
         raise ScenarioError("simulator.itl_std_ms", "cannot be more than 30% of itl_ms")
-    if s.budget is not None and s.target is not None:
+    if s.budget is not None and s.targets:
         raise ScenarioError("processor.budget", "not with a target: its budgets are its own")
+    if s.budget is not None and s.rounds_per_level > 1:
+        raise ScenarioError(
+            "load.interleave", "not with a budget: each round would take from the same windows"
+        )
+    if s.ceiling is not None and s.targets:
+        raise ScenarioError(
+            "load.ceiling", "not with a target: it compares the routes started here"
+        )
     if s.budget is not None and "processor" not in s.routes:
         raise ScenarioError("processor.budget", "needs the processor route in routes")
     if s.ceiling is not None:
@@ -485,7 +585,7 @@ def check(s: Scenario) -> Scenario:
             raise ScenarioError("load.ceiling", "needs one processor configuration")
         if list(s.levels) != sorted(s.levels):
             raise ScenarioError("load.levels", "must rise for a ceiling search")
-    if s.target is None:
+    if not s.targets:
         from loadlab.simulator import profile_path
 
         try:
@@ -494,8 +594,12 @@ def check(s: Scenario) -> Scenario:
             raise ScenarioError(
                 "simulator.profile", f"{s.profile!r} is neither in simulator_profiles/ nor a file"
             ) from None
-    if s.target is not None and not s.target.startswith("http://"):
-        raise ScenarioError("target.url", f"must be an http:// URL, got {s.target!r}")
+    for i, t in enumerate(s.targets):
+        key = "target.url" if len(s.targets) == 1 else f"targets[{i}].url"
+        if not t.url.startswith(TARGET_SCHEMES):
+            raise ScenarioError(key, f"must be an http:// or https:// URL, got {t.url!r}")
+        if urlsplit(t.url).hostname is None:
+            raise ScenarioError(key, f"has no host: {t.url!r}")
     return s
 
 

@@ -55,3 +55,6 @@ def test_a_budget_that_runs_out_is_charged_per_window_never_above_it(tmp_path: P
             assert r["status"] == 429 and r["events"] == 0
     png = (out / "plots" / "budget_use.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+    # No empty plot: a budget run of the processor route alone has no added latency.
+    assert not (out / "plots" / "added_latency.png").exists()
+    assert "added_latency.png skipped: no direct route to subtract" in done.stdout

@@ -32,7 +32,21 @@ BAD_FILES = [
     ({**TINY, "processor": {"budget": {"window_s": 5}}}, "processor.budget.tpm"),
     ({**TINY, "processor": {"charge_modes": ["postpaid"]}}, "processor.charge_modes"),
     ({**TINY, "routes": ["direct"], "processor": {"budget": {"tpm": 10}}}, "processor.budget"),
-    ({**TINY, "target": {"url": "https://gw.example"}}, "target.url"),
+    ({**TINY, "target": {"url": "ftp://gw.example"}}, "target.url"),
+    ({**TINY, "target": {"model": "m"}}, "target.url"),
+    (
+        {**TINY, "targets": [{"url": "http://a:1"}, {"url": "http://b:1", "name": 3}]},
+        "targets[1].name",
+    ),
+    ({**TINY, "targets": [{"url": "http://a:1"}, {"url": "http://a:1"}]}, "targets"),
+    ({**TINY, "target": {"url": "http://a:1"}, "targets": [{"url": "http://b:1"}]}, "targets"),
+    (with_load(api="responses"), "load.api"),
+    (with_load(ignore_eos="yes"), "load.ignore_eos"),
+    (with_load(interleave=0), "load.interleave"),
+    (
+        {**with_load(interleave=2), "routes": ["processor"], "processor": {"budget": {"tpm": 9}}},
+        "load.interleave",
+    ),
     (
         {**TINY, "target": {"url": "http://127.0.0.1:1"}, "processor": {"budget": {"tpm": 9}}},
         "processor.budget",

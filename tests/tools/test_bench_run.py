@@ -24,7 +24,7 @@ PLOTS = ["chunk_latency_cdf", "ttft_cdf", "added_latency", "added_latency_p99", 
 RECORD_KEYS = {
     "route", "level", "index", "start_ns", "status", "outcome", "prompt_tokens", "max_tokens",
     "output_tokens", "events", "ttft_ms", "e2el_ms", "tpot_ms", "itl_ms", "chunk_latency_us",
-    "chunk_arrival_ms", "error_code", "retry_after_s",
+    "chunk_arrival_ms", "error_code", "retry_after_s", "detail",
 }  # fmt: skip
 DISTRIBUTIONS = ["ttft_ms", "itl_ms", "tpot_ms", "e2el_ms", "chunk_latency_ms"]
 
@@ -152,3 +152,24 @@ def test_compare_gives_b_over_a_per_route_and_level(run: Path, tmp_path: Path) -
         assert row["output_throughput.ratio"] == pytest.approx(ratio, rel=1e-3)
     assert (tmp_path / "cmp" / "compare.csv").read_text().startswith("route,level,")
     assert "processor" in compared.stdout
+
+
+def test_compare_of_one_folder_divides_its_routes_by_the_baseline(
+    run: Path, tmp_path: Path
+) -> None:
+    done = bench("compare", run, "--baseline", "direct", "--out", tmp_path / "cmp")
+    assert done.returncode == 0, done.stderr
+    rows = orjson.loads((tmp_path / "cmp" / "compare.json").read_bytes())
+    by = {(r["route"], r["level"]): r for r in summary(run)["results"]}
+    assert [(r["route"], r["level"]) for r in rows] == [
+        (route, level) for route in ROUTES[1:] for level in LEVELS
+    ]
+    for row in rows:
+        mine, base = by[(row["route"], row["level"])], by[("direct", row["level"])]
+        assert row["ttft_ms.p50.ratio"] == round(mine["ttft_ms"]["p50"] / base["ttft_ms"]["p50"], 4)
+    assert "B/A ratios — A: direct  B: envoy, noop, processor" in done.stdout
+    unknown = bench("compare", run, "--baseline", "nowhere")
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip() == (
+        "extproc bench compare: no route 'nowhere' (routes: direct, envoy, noop, processor)"
+    )

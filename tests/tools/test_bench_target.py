@@ -52,7 +52,8 @@ def test_target_measures_a_running_gateway_without_starting_parts(
     assert done.returncode == 0, done.stderr[-3000:]
     assert not (out / "logs").exists()  # no part was started
     doc = orjson.loads((out / "summary.json").read_bytes())
-    assert doc["scenario"]["target"] == {"url": gateway.base_url, "model": MODEL}
+    assert doc["scenario"]["targets"] == [{"name": "target", "url": gateway.base_url}]
+    assert doc["scenario"]["model"] == MODEL
     assert BENCH_KEY.encode() not in (out / "scenario.yaml").read_bytes()
     [row] = doc["results"]
     assert (row["route"], row["level"], row["completed"]) == ("target", 2, REQUESTS)
@@ -74,7 +75,11 @@ def test_target_measures_a_running_gateway_without_starting_parts(
     assert metrics['extproc_tokens_total{kind="output"}'] == total * ASKED
 
 
-def test_target_must_be_plain_http(tmp_path: Path) -> None:
-    done = bench("--target", "https://127.0.0.1:1", "--out", tmp_path / "r")
+def test_target_must_be_an_http_or_https_url(tmp_path: Path) -> None:
+    done = bench("--target", "127.0.0.1:1", "--out", tmp_path / "r")
     assert done.returncode == 2
-    assert "invalid scenario: target.url: must be an http:// URL" in done.stderr
+    assert "invalid scenario: target.url: must be an http:// or https:// URL" in done.stderr
+    done = bench("--target", "http://a:1", "--target", "http://b:1", "--api-key", "k1",
+                 "--api-key", "k2", "--api-key", "k3", "--out", tmp_path / "r")  # fmt: skip
+    assert done.returncode == 2
+    assert "target.api_key: give one --api-key, or one per --target (2)" in done.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -103,3 +104,21 @@ def test_the_scenario_as_run_and_the_plots_are_written(
     for name in ("outcomes_over_time.png", "charged_per_window.png"):
         data = (out / "plots" / name).read_bytes()
         assert data.startswith(PNG_SIGNATURE) and len(data) > 5000, name
+
+
+def test_progress_tells_what_the_scenario_causes_from_what_fails(
+    run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """The quiet progress line counts complete requests as ok and the scenario's own doing
+    (cut-offs, refusals, injected errors, hang-ups, resets in a fault) as expected: an
+    all-PASS run shows no failure count its report contradicts."""
+    out, done = run
+    summary = load(out, "summary.json")
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("chaos ") and "requests: " in x]
+    found = re.search(r" requests?: (.*), [0-9.]+s$", line)
+    assert found, line
+    counts = {k: int(n) for k, n in (part.rsplit(" ", 1) for part in found.group(1).split(" · "))}
+    assert counts["ok"] == summary["outcomes"].get("complete", 0)
+    assert sum(counts.values()) == summary["requests"]
+    assert counts["failed"] >= summary["outcomes"].get("malformed", 0)
+    assert counts.get("expected", 0) > 0  # the tiny scenario injects failures
