@@ -68,7 +68,13 @@ if ARGV[3] == '1' then
   end
   table.sort(entries, function(a, b)
     if a[1] ~= b[1] then return a[1] < b[1] end
-    return a[2] < b[2]
+    if a[2] ~= b[2] then return a[2] < b[2] end
+    -- Then by text, byte for byte (Lua's < on strings follows the server's locale).
+    for i = 1, math.min(#a[3], #b[3]) do
+      local x, y = string.byte(a[3], i), string.byte(b[3], i)
+      if x ~= y then return x < y end
+    end
+    return #a[3] < #b[3]
   end)
   local windows = {}
   for i, e in ipairs(entries) do windows[i] = e[3] end
