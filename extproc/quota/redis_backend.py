@@ -65,6 +65,7 @@ from extproc.quota.base import (
     UsageTags,
     Verdict,
 )
+from extproc.quota.keys import RESERVATION_KEY_PATTERN, WINDOW_KEY_PATTERN
 from extproc.quota.orphans import OpenReservations
 from extproc.quota.resp import RespConnection, Script
 
@@ -113,12 +114,39 @@ def _read_lua(name: str) -> str:
     return resources.files("extproc.quota").joinpath("lua", name).read_text(encoding="utf-8")
 
 
+# Scripts that write usage ledger entries: lua/ledger.lua goes before them too.
+_LEDGER_SCRIPTS = frozenset({"settle.lua", "absorb.lua"})
+
+
+def _lua_string(text: str) -> str:
+    if any(c in text for c in "'\\\n"):
+        raise ValueError(f"not a plain Lua string: {text!r}")
+    return f"'{text}'"
+
+
+def ledger_constants() -> str:
+    """lua/ledger.lua's constants, rendered from their Python definitions (the memory
+    backend uses the same ones)."""
+    rank = ", ".join(
+        f"[{_lua_string(kind)}] = {r}" for kind, r in windows.LEDGER_WINDOW_RANK.items()
+    )
+    return (
+        f"local LEDGER_RANK, LEDGER_UNRANKED = {{{rank}}}, {windows.LEDGER_UNRANKED}\n"
+        f"local WINDOW_KEY = {_lua_string(WINDOW_KEY_PATTERN)}\n"
+        f"local RESERVATION_KEY = {_lua_string(RESERVATION_KEY_PATTERN)}\n"
+    )
+
+
 def load_lua(name: str) -> str:
-    """A script with the shared counter functions (``lua/counters.lua``) before it."""
+    """A script with the shared counter functions (``lua/counters.lua``) before it, and
+    the ledger's (``lua/ledger.lua``) before those that write ledger entries."""
     clock_key = os.environ.get(TEST_CLOCK_ENV, "")
     if not _SAFE_KEY.match(clock_key):
         raise ValueError(f"{TEST_CLOCK_ENV} must be a plain key name, got {clock_key!r}")
-    return f"local CLOCK_KEY = '{clock_key}'\n" + _read_lua("counters.lua") + _read_lua(name)
+    shared = _read_lua("counters.lua")
+    if name in _LEDGER_SCRIPTS:
+        shared += ledger_constants() + _read_lua("ledger.lua")
+    return f"local CLOCK_KEY = '{clock_key}'\n" + shared + _read_lua(name)
 
 
 def _parse_verdict(verdict: str, now: float, replayed: bool, cancelled: bool) -> Verdict:

@@ -35,7 +35,8 @@ from typing import Any, TypeVar, cast
 
 import pytest
 import redis
-from hypothesis import HealthCheck, settings
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -60,13 +61,23 @@ from extproc.quota.base import (
 from extproc.quota.calendar import calendar_bounds
 from extproc.quota.keys import (
     counter_key,
+    parse_window_key,
     reservation_key,
     tenant_tag,
     usage_stream_key,
+    window_key,
     window_span,
 )
 from extproc.quota.memory_backend import MemoryQuotaBackend
-from extproc.quota.redis_backend import TEST_CLOCK_ENV, RedisQuotaBackend
+from extproc.quota.redis_backend import (
+    TEST_CLOCK_ENV,
+    RedisQuotaBackend,
+    _read_lua,
+    ledger_constants,
+    load_lua,
+)
+from extproc.quota.resilient import absorb_key
+from extproc.quota.windows import ledger_windows
 from tests.quota.conftest import FakeClock, Harness
 from tests.support.quota_views import (
     memory_ledger_entries,
@@ -103,6 +114,8 @@ _SUFFIX = {
     "cost": "_cost",
 }
 TENANT = "diff-é"  # percent-encoded in keys, decoded by the ledger
+# Key prefixes (``key_prefix``): any brace-free text, so ":r:" and ":c:" too.
+PREFIXES = ("tq", "eu:r:1", "a:c:b")
 
 
 # --- what an example is made of --------------------------------------------------------
@@ -131,20 +144,21 @@ class CounterSpec:
         kind = _PER_WINDOW[self.metric]
         return "tenant_" + kind if self.tenant_wide else kind
 
-    def build(self, tenant: str) -> Counter:
+    def build(self, tenant: str, scale: int, prefix: str) -> Counter:
+        limit = self.limit if self.metric == "requests" else self.limit * scale
         kind, model = self.kind(), None if self.tenant_wide else "m"
         if self.shape == "fixed":
-            key = counter_key(tenant, kind, model, self.window_s)
+            key = counter_key(tenant, kind, model, self.window_s, prefix)
             return Counter(
-                kind, key, self.limit, self.window_s, weights=self.weights, shadow=self.shadow
+                kind, key, limit, self.window_s, weights=self.weights, shadow=self.shadow
             )
         if self.shape == "sliding":
             span = window_span("sliding", self.window_s, self.bucket_s)
-            key = counter_key(tenant, kind, model, self.window_s, span=span)
+            key = counter_key(tenant, kind, model, self.window_s, prefix, span=span)
             return Counter(
                 kind,
                 key,
-                self.limit,
+                limit,
                 self.window_s,
                 shape="sliding",
                 bucket_s=self.bucket_s,
@@ -152,11 +166,11 @@ class CounterSpec:
                 shadow=self.shadow,
             )
         span = window_span("calendar", self.window_s, period=self.period, zone=self.zone)
-        key = counter_key(tenant, kind, model, self.window_s, span=span)
+        key = counter_key(tenant, kind, model, self.window_s, prefix, span=span)
         return Counter(
             kind,
             key,
-            self.limit,
+            limit,
             self.window_s,
             shape="calendar",
             period=self.period,
@@ -325,6 +339,8 @@ class Differential(RuleBasedStateMachine):
         self.clock = FakeClock(0.0)
         self.memory = MemoryQuotaBackend(clock=self.clock, settled_ttl_s=LONG_TTL_S, ledger=LEDGER)
         self.now_s = 0
+        self.scale = 1
+        self.prefix = PREFIXES[0]
         self.request_counters: tuple[Counter, ...] = ()
         self.token_counters: tuple[Counter, ...] = ()
         self.reqs: dict[str, Req] = {}
@@ -338,22 +354,31 @@ class Differential(RuleBasedStateMachine):
         token_specs=st.lists(counter_specs("tokens"), min_size=1, max_size=6),
         # Ahead of the real clock: a key's PEXPIREAT at a shifted time must not be past.
         start=st.integers(2_000_000_000, 2_100_000_000),
+        # Token amounts and limits ×1 or ×1000: Lua numbers are doubles, Python's ints.
+        scale=st.sampled_from([1, 1, 1000]),
+        prefix=st.sampled_from(PREFIXES[:1] * 2 + PREFIXES[1:]),
     )
     def world(
-        self, request_specs: list[CounterSpec], token_specs: list[CounterSpec], start: int
+        self,
+        request_specs: list[CounterSpec],
+        token_specs: list[CounterSpec],
+        start: int,
+        scale: int,
+        prefix: str,
     ) -> None:
         # One tenant name for every example (each starts and ends with its keys deleted):
         # a script's hash-table order follows its key names, so the same example replays
         # the same way.
         self.tenant = TENANT
         self._delete_keys()
-        self.stream = usage_stream_key(reservation_key(self.tenant, "x"))
+        self.prefix = prefix
+        self.stream = usage_stream_key(reservation_key(self.tenant, "x", prefix))
         seen: set[str] = set()
 
         def unique(specs: list[CounterSpec]) -> tuple[Counter, ...]:
             out = []
             for spec in specs:
-                c = spec.build(self.tenant)
+                c = spec.build(self.tenant, scale, prefix)
                 if c.key not in seen:
                     seen.add(c.key)
                     out.append(c)
@@ -362,6 +387,7 @@ class Differential(RuleBasedStateMachine):
         self.request_counters = unique(request_specs)
         self.token_counters = unique(token_specs)
         self.now_s = start
+        self.scale = scale
         self.clock.now = start + 0.5
 
     def teardown(self) -> None:
@@ -370,9 +396,11 @@ class Differential(RuleBasedStateMachine):
         self.env.loop.run_until_complete(self.memory.close())
 
     def _delete_keys(self) -> None:
-        keys = list(self.plain.scan_iter(match=tenant_tag(TENANT) + ":*", count=1000))
-        if keys:
-            self.plain.delete(*keys)
+        for prefix in PREFIXES:
+            match = tenant_tag(TENANT, prefix) + ":*"
+            keys = list(self.plain.scan_iter(match=match, count=1000))
+            if keys:
+                self.plain.delete(*keys)
 
     def _run(self, call: Awaitable[T]) -> T:
         return self.env.loop.run_until_complete(call)
@@ -445,14 +473,14 @@ class Differential(RuleBasedStateMachine):
         (a lost admission still queued: the cancel writes a tombstone), or left for later."""
         request_id = f"r{next(self.ids)}{spec.id_suffix}"
         request = AdmitRequest(
-            reservation_key=reservation_key(self.tenant, request_id),
+            reservation_key=reservation_key(self.tenant, request_id, self.prefix),
             request_counters=_pick(self.request_counters, spec.request_mask),
             token_counters=_pick(self.token_counters, spec.token_mask),
-            tokens=spec.tokens,
+            tokens=spec.tokens * self.scale,
             count_refused_attempts=spec.count_refused,
             record_ttl_s=LONG_TTL_S,
             soft_refusal=spec.soft,
-            usage=UsageTags(spec.plan, "m", spec.client_request_id, spec.prompt),
+            usage=UsageTags(spec.plan, "m", spec.client_request_id, spec.prompt * self.scale),
         )
         req = Req(request_id, request)
         self.reqs[request_id] = req
@@ -482,7 +510,7 @@ class Differential(RuleBasedStateMachine):
         else:
             seq = len(req.seqs) + 1
             req.seqs.append(seq)
-        amount, minimum = batch
+        amount, minimum = batch[0] * self.scale, batch[1] * self.scale
         self._both(
             f"reserve {req.request_id} seq {seq} {amount}/{minimum}",
             lambda b: b.reserve(req.key, seq, req.token_counters, amount, minimum),
@@ -499,6 +527,7 @@ class Differential(RuleBasedStateMachine):
     def settle(self, req: Req, usage: tuple[int, str, int | None, int]) -> None:
         """Settle any request, with used around its reservation so far."""
         delta, reason, output, cached = usage
+        delta, cached = delta * self.scale, cached * self.scale
         record = redis_record(self.plain, req.key)
         used = max(0, (record.reserved if record else 0) + delta)
         output_tokens = None if output is None else output % (used + 1)
@@ -626,3 +655,102 @@ async def test_ledger_lists_windows_of_one_rank_and_start_by_their_text(harness:
     ((_, entry),) = await harness.ledger(usage_stream_key(key))
     kinds = [part.split(":")[0] for part in entry["windows"].split(";")]
     assert kinds == ["tpm", "cost", "itpm", "otpm", "tenant_otpm"]
+
+
+async def test_ledger_names_the_request_under_a_key_prefix_holding_r(harness: Harness) -> None:
+    """Found by the machine: with a ``key_prefix`` holding ":r:" (any brace-free prefix is
+    valid), settle.lua took the request id from the first ":r:" of the key."""
+    prefix = "eu:r:1"
+    counter = Counter("tpm", counter_key("t:r:x", "tpm", "m", 3600, prefix), 1000, 3600)
+    key = reservation_key("t:r:x", "r:1", prefix)
+    assert (await harness.backend.admit(AdmitRequest(key, (), (counter,), 10))).admitted
+    await harness.backend.settle(key, (counter,), 10)
+    ((_, entry),) = await harness.ledger(usage_stream_key(key))
+    assert (entry["tenant"], entry["request_id"]) == ("t:r:x", "r:1")
+    assert entry["windows"].startswith("tpm:3600:")
+
+
+async def test_absorb_names_the_request_under_a_key_prefix_holding_r(
+    plain_redis: aioredis.Redis,
+) -> None:
+    """absorb.lua read names back like settle.lua (the first ":r:" of the key)."""
+    prefix, window_s = "eu:r:1", 3600
+    key = reservation_key("t", "r:1", prefix)
+    counter_prefix = counter_key("t", "tpm", "m", window_s, prefix)
+    script = plain_redis.register_script(load_lua("absorb.lua"))
+    for _ in range(3):  # a new hour between TIME and the call: the script says so (2)
+        seconds, _micros = await plain_redis.time()
+        current = seconds - seconds % window_s
+        ledger = [1, 0, 0, "pro", "m", "", "completed", 4, 6, ""]  # on, no bounds; tags
+        keys = [absorb_key(key), window_key(counter_prefix, current), usage_stream_key(key)]
+        args = [60, 2, *ledger, window_s, current, current, 10]
+        reply = await script(keys=keys, args=args)
+        if int(reply[0]) != 2:
+            break
+    ((_, entry),) = await plain_redis.xrange(usage_stream_key(key))
+    assert (entry["tenant"], entry["request_id"]) == ("t", "r:1")
+    assert entry["windows"] == f"tpm:{window_s}:{current}:10"
+    assert tuple(entry) == LEDGER_FIELDS
+
+
+_LEDGER_LUA = """
+local nets = {}
+for i = 3, #ARGV, 2 do nets[#nets + 1] = {ARGV[i], tonumber(ARGV[i + 1])} end
+local kind, span, start = string.match(ARGV[1], WINDOW_KEY)
+local tenant, rid = reservation_names(ARGV[2])
+return {kind or '', span or '', start or '', tenant, rid, ledger_windows(nets, false)}
+"""
+
+names = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)
+prefixes = st.text(st.characters(codec="utf-8", exclude_characters="{}"), min_size=1, max_size=8)
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(
+    prefix=st.one_of(st.sampled_from(["tq", "eu:r:1", "a:c:b", "x:c:tpm:m:60:1"]), prefixes),
+    tenant=names,
+    model=st.one_of(st.none(), names),
+    request_id=names,
+    charges=st.lists(
+        st.tuples(
+            st.sampled_from(["tpm", "tenant_tpm", "daily", "itpm", "otpm", "cost", "monthly"]),
+            st.sampled_from([("fixed", 60), ("fixed", 3600), ("sliding", 60), ("calendar", 0)]),
+            st.integers(0, 3),
+            st.integers(-5, 10**12),
+        ),
+        max_size=6,
+    ),
+)
+def test_python_and_the_scripts_read_the_same_names_and_windows_back_from_keys(
+    redis_server: RedisServer,
+    prefix: str,
+    tenant: str,
+    model: str | None,
+    request_id: str,
+    charges: list[tuple[str, tuple[str, int], int, int]],
+) -> None:
+    """keys.WINDOW_KEY_PATTERN and RESERVATION_KEY_PATTERN are one text for a Python
+    regex and a Lua pattern: run in Redis's Lua, they read what Python reads, and
+    lua/ledger.lua orders a ledger's windows as windows.ledger_windows does."""
+    nets: list[tuple[str, int]] = []
+    for kind, (shape, window_s), slot, net in charges:
+        span = window_span(shape, window_s or 86400, 10, "month", "Europe/Berlin")
+        head = counter_key(tenant, kind, model, window_s or 86400, prefix, span=span)
+        nets.append((window_key(head, 1_999_999_800 + slot * 60), net))
+    nets.append((reservation_key(tenant, request_id, prefix), 1))  # not a window key
+    window = nets[0][0] if charges else reservation_key(tenant, request_id, prefix)
+    source = ledger_constants() + _read_lua("counters.lua") + _read_lua("ledger.lua") + _LEDGER_LUA
+    client = redis.Redis(port=redis_server.port, decode_responses=True)
+    try:
+        args = [window, reservation_key(tenant, request_id, prefix)]
+        for key, net in nets:
+            args += [key, net]
+        kind, span, start, lua_tenant, lua_request_id, lua_windows = client.eval(source, 0, *args)
+    finally:
+        client.close()
+    parsed = parse_window_key(window)
+    assert (kind, span, start) == (
+        (parsed[0], parsed[1], str(parsed[2])) if parsed else ("", "", "")
+    )
+    assert (lua_tenant, lua_request_id) == (tenant, request_id)
+    assert lua_windows == ledger_windows(nets)
