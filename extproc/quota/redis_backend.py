@@ -65,7 +65,12 @@ from extproc.quota.base import (
     UsageTags,
     Verdict,
 )
-from extproc.quota.keys import RESERVATION_KEY_PATTERN, WINDOW_KEY_PATTERN
+from extproc.quota.keys import (
+    RESERVATION_KEY_PATTERN,
+    WINDOW_KEY_PATTERN,
+    open_count_key,
+    usage_stream_key,
+)
 from extproc.quota.orphans import OpenReservations
 from extproc.quota.resp import RespConnection, Script
 
@@ -84,15 +89,6 @@ _MODE_SETTLE, _MODE_CANCEL, _MODE_ORPHAN = 0, 1, 2
 # nothing and says so; the call is retried with the server's clock at most this often.
 WINDOW_RETRIES = 2
 _NO_TAGS = UsageTags()
-
-
-def _tenant(reservation_key: str) -> str:
-    """``<prefix>:{<t>}`` of a reservation key (``keys.open_count_key`` and
-    ``keys.usage_stream_key`` without their checks: the hot path builds both per call)."""
-    tag, sep, _ = reservation_key.rpartition(":r:")
-    if not sep:
-        raise ValueError(f"not a reservation key: {reservation_key!r}")
-    return tag
 
 
 class WrongWindow(QuotaUnavailable):
@@ -352,7 +348,7 @@ class RedisQuotaBackend:
         counters = request.request_counters + request.token_counters
         tags = request.usage or _NO_TAGS
         key = request.reservation_key
-        open_key = _tenant(key) + ":open"
+        open_key = open_count_key(key)
         now_s = math.floor(time.time() + self.clock_offset_s)
         for attempt in range(WINDOW_RETRIES + 1):
             keys = [key]
@@ -401,7 +397,7 @@ class RedisQuotaBackend:
         minimum: int = 1,
     ) -> Grant:
         windows.check_reserve(seq, amount, minimum, token_counters)
-        open_key = _tenant(reservation_key) + ":open"
+        open_key = open_count_key(reservation_key)
         now_s = math.floor(time.time() + self.clock_offset_s)
         for attempt in range(WINDOW_RETRIES + 1):
             keys = [reservation_key]
@@ -466,14 +462,13 @@ class RedisQuotaBackend:
         self, reservation_key: str, token_counters: tuple[Counter, ...], head: list[Any], now_s: int
     ) -> tuple[list[str], list[Any]]:
         """settle.lua's KEYS and ARGV for the windows current at ``now_s``."""
-        tenant = _tenant(reservation_key)
         keys = [reservation_key]
         args = head.copy()
         for c in token_counters:
             counter_key, shape, a, b = windows.script_window(c, now_s)
             keys.append(counter_key)
             args += (shape, a, b, *c.weights)
-        keys += (tenant + ":open", tenant + ":usage")
+        keys += (open_count_key(reservation_key), usage_stream_key(reservation_key))
         return keys, args
 
     async def _settle_retry(
