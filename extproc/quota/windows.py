@@ -18,7 +18,7 @@ from extproc.quota.base import (
     CounterState,
 )
 from extproc.quota.calendar import calendar_bounds
-from extproc.quota.keys import parse_window_key
+from extproc.quota.keys import parse_window_key, window_key
 
 # Counter keys expire this long after their window ends: late refunds are skipped by
 # clock anyway, the margin only absorbs clock skew between Redis replicas.
@@ -68,11 +68,11 @@ def script_window(counter: Counter, now_s: int) -> tuple[str, str, int, int]:
     (``f`` a window with bounds, ``s`` a sliding hash) and the two bounds (``bounds``)."""
     if counter.shape == "fixed":  # the common case first: once per counter per call
         start = now_s - now_s % counter.window_s
-        return f"{counter.key}:{start}", "f", start, start + counter.window_s
+        return window_key(counter.key, start), "f", start, start + counter.window_s
     a, b = bounds(counter, now_s)
     if counter.shape == "sliding":
         return counter.key, "s", a, b
-    return f"{counter.key}:{a}", "f", a, b
+    return window_key(counter.key, a), "f", a, b
 
 
 def sliding_retry_at(
