@@ -78,19 +78,44 @@ def _live_buckets(counter: Counter, buckets: dict[int, int], now: float) -> dict
 def redis_windows(client: redis.Redis, counter: Counter, now: float) -> dict[int, int]:
     """A counter's windows (fixed, calendar) or buckets (sliding) that count at ``now``:
     start -> value, zeros left out (a window refunded to 0 holds nothing)."""
-    if counter.shape == "sliding":
-        fields = client.hgetall(counter.key)
-        buckets = {int(f): int(v) for f, v in fields.items() if f.isdigit()}
-        return _live_buckets(counter, buckets, now)
-    head = counter.key + ":"
-    found: dict[int, int] = {}
-    for key in client.scan_iter(match=_glob_escape(head) + "*", count=1000):
-        start = key[len(head) :]
-        if start.isdigit() and _live_window(counter, int(start), now):
-            value = int(client.get(key) or 0)
-            if value:
-                found[int(start)] = value
-    return found
+    return redis_windows_of(client, (counter,), now)[0]
+
+
+def redis_windows_of(
+    client: redis.Redis, counters: tuple[Counter, ...], now: float
+) -> list[dict[int, int]]:
+    """``redis_windows`` of several counters in two round trips (a SCAN per tenant, then
+    one pipeline)."""
+    tags = {c.key[: c.key.index("}") + 1] for c in counters if c.shape != "sliding"}
+    stored = [
+        key
+        for tag in sorted(tags)
+        for key in client.scan_iter(match=_glob_escape(tag) + ":c:*", count=1000)
+    ]
+    pipe = client.pipeline(transaction=False)
+    asked: list[list[tuple[int, str]]] = []
+    for c in counters:
+        if c.shape == "sliding":
+            pipe.hgetall(c.key)
+            asked.append([])
+            continue
+        head = c.key + ":"
+        starts = [(k[len(head) :], k) for k in stored if k.startswith(head)]
+        live = [(int(t), k) for t, k in starts if t.isdigit() and _live_window(c, int(t), now)]
+        asked.append(live)
+        for _, key in asked[-1]:
+            pipe.get(key)
+    replies = iter(pipe.execute())
+    out: list[dict[int, int]] = []
+    for c, windows_asked in zip(counters, asked, strict=True):
+        if c.shape == "sliding":
+            fields = next(replies)
+            buckets = {int(f): int(v) for f, v in fields.items() if f.isdigit()}
+            out.append(_live_buckets(c, buckets, now))
+            continue
+        values = {start: int(next(replies) or 0) for start, _ in windows_asked}
+        out.append({start: v for start, v in values.items() if v})
+    return out
 
 
 def memory_windows(backend: MemoryQuotaBackend, counter: Counter, now: float) -> dict[int, int]:
