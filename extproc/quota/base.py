@@ -62,7 +62,8 @@ Usage ledger: every settlement that finds an admitted, unsettled record (``settl
 ``cancel`` of an admission that ran, a peer's orphan settlement) appends one entry
 (``LEDGER_FIELDS``) to the tenant's ledger in the same atomic step that changes the counters;
 a replay, a refused or unknown record writes nothing. ``windows`` lists, per token counter
-the request was charged on, ``kind:window_s:window_start:net`` (``;``-separated), ``net``
+the request was charged on, ``kind:window_s:window_start:net`` (``;``-separated, in the
+order of ``windows.ledger_windows``, which both backends use), ``net``
 being what that window keeps of the request after the refund and any excess: summed over
 the ledger, a window's ``net`` equals the counter's value (RPM counters are not in it).
 ``prompt_tokens`` + ``output_tokens`` = ``used``: the caller's ``output_tokens``, or without

@@ -40,7 +40,8 @@ TENANT_WIDE = "*"
 PROCESSOR_TAG = "{~p}"
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
-_KIND = re.compile(r"^[a-z_]+$")
+_KIND_SET = "[a-z_]"  # what a counter kind is made of
+_KIND = re.compile(f"^{_KIND_SET}+$")
 
 
 def encode_name(name: str) -> str:
@@ -143,6 +144,31 @@ def usage_stream_key(reservation_key: str) -> str:
 def window_key(counter_prefix: str, window_start: int) -> str:
     """The concrete key of one window of a counter (what both backends store)."""
     return f"{counter_prefix}:{window_start}"
+
+
+# How the usage ledger reads names back from keys. Each pattern means the same as a Python
+# regex and as a Lua pattern (only literals, [sets], * and +, captures and $), and the
+# scripts get these very strings (``redis_backend.load_lua``): one definition for both
+# backends. Names are percent-encoded, so none holds ":", "{", "}" or a newline; the
+# prefix is brace-free but may hold ":r:" or ":c:", hence the anchoring at the end.
+WINDOW_KEY_PATTERN = f":c:({_KIND_SET}+):[^:]*:([^:]+):([0-9]+)$"  # kind, span, start
+RESERVATION_KEY_PATTERN = "{([^}]*)}.*:r:([^:]*)$"  # tenant, request id
+_WINDOW_KEY = re.compile(WINDOW_KEY_PATTERN)
+_RESERVATION_KEY = re.compile(RESERVATION_KEY_PATTERN)
+
+
+def parse_window_key(key: str) -> tuple[CounterKind, str, int] | None:
+    """(kind, span, window start) of a window key (``window_key``); None for another key."""
+    match = _WINDOW_KEY.search(key)
+    return None if match is None else (match[1], match[2], int(match[3]))
+
+
+def reservation_names(reservation_key: str) -> tuple[str, str]:
+    """(tenant, request id) of a reservation key, decoded."""
+    match = _RESERVATION_KEY.search(reservation_key)
+    if match is None:
+        raise ValueError(f"not a reservation key: {reservation_key!r}")
+    return decode_name(match[1]), decode_name(match[2])
 
 
 def _processor_part(prefix: str) -> str:

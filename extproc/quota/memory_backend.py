@@ -12,7 +12,6 @@ takes this backend with it, so it has no orphans to reconcile.
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,11 +32,8 @@ from extproc.quota.base import (
     UsageTags,
     Verdict,
 )
-from extproc.quota.keys import decode_name, records_prefix, usage_stream_key, window_key
+from extproc.quota.keys import records_prefix, reservation_names, usage_stream_key, window_key
 
-# kind, window_s, window_start of a window key (keys.counter_key + ":<start>").
-_WINDOW_KEY = re.compile(r":c:([a-z_]+):[^:]*:([^:]+):(\d+)$")
-_KIND_RANK = {"tpm": 1, "tenant_tpm": 2, "daily": 3}
 LedgerEntry = tuple[str, dict[str, str]]
 
 
@@ -504,25 +500,19 @@ class MemoryQuotaBackend:
         if output_tokens is None:  # admission's prompt count first (settle.lua)
             output_tokens = used - min(record.tags.prompt_tokens, used)
         prompt = used - output_tokens
-        entries = []
-        for key, net in record.net.items():
-            match = _WINDOW_KEY.search(key)
-            if match is not None:
-                kind, window, start = match.groups()
-                rank = _KIND_RANK.get(kind, 9)
-                entries.append((rank, int(start), f"{kind}:{window}:{start}:{net}"))
+        tenant, request_id = reservation_names(reservation_key)
         fields = {
-            "tenant": decode_name(reservation_key.partition("{")[2].partition("}")[0]),
+            "tenant": tenant,
             "plan": record.tags.plan,
             "model": record.tags.model,
-            "request_id": decode_name(reservation_key.rpartition(":r:")[2]),
+            "request_id": request_id,
             "client_request_id": record.tags.client_request_id,
             "prompt_tokens": str(prompt),
             "output_tokens": str(output_tokens),
             "reserved": str(settlement.reserved),
             "used": str(used),
             "refunded": str(settlement.refunded),
-            "windows": ";".join(e[2] for e in sorted(entries)),
+            "windows": windows.ledger_windows(record.net.items()),
             "reason": reason,
             "admitted_at_us": record.admitted_at_us,
             "settled_at_us": _micros(now),

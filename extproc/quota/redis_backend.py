@@ -71,6 +71,12 @@ from extproc.quota.base import (
     UsageTags,
     Verdict,
 )
+from extproc.quota.keys import (
+    RESERVATION_KEY_PATTERN,
+    WINDOW_KEY_PATTERN,
+    open_count_key,
+    usage_stream_key,
+)
 from extproc.quota.orphans import OpenReservations
 from extproc.quota.resp import RespConnection, Script, ScriptRunner
 
@@ -89,15 +95,6 @@ _MODE_SETTLE, _MODE_CANCEL, _MODE_ORPHAN = 0, 1, 2
 # nothing and says so; the call is retried with the server's clock at most this often.
 WINDOW_RETRIES = 2
 _NO_TAGS = UsageTags()
-
-
-def _tenant(reservation_key: str) -> str:
-    """``<prefix>:{<t>}`` of a reservation key (``keys.open_count_key`` and
-    ``keys.usage_stream_key`` without their checks: the hot path builds both per call)."""
-    tag, sep, _ = reservation_key.rpartition(":r:")
-    if not sep:
-        raise ValueError(f"not a reservation key: {reservation_key!r}")
-    return tag
 
 
 # What Redis 7 answers when a script's own call is refused by the ACL (an ERR, not NOPERM).
@@ -144,12 +141,39 @@ def _read_lua(name: str) -> str:
     return resources.files("extproc.quota").joinpath("lua", name).read_text(encoding="utf-8")
 
 
+# Scripts that write usage ledger entries: lua/ledger.lua goes before them too.
+_LEDGER_SCRIPTS = frozenset({"settle.lua", "absorb.lua"})
+
+
+def _lua_string(text: str) -> str:
+    if any(c in text for c in "'\\\n"):
+        raise ValueError(f"not a plain Lua string: {text!r}")
+    return f"'{text}'"
+
+
+def ledger_constants() -> str:
+    """lua/ledger.lua's constants, rendered from their Python definitions (the memory
+    backend uses the same ones)."""
+    rank = ", ".join(
+        f"[{_lua_string(kind)}] = {r}" for kind, r in windows.LEDGER_WINDOW_RANK.items()
+    )
+    return (
+        f"local LEDGER_RANK, LEDGER_UNRANKED = {{{rank}}}, {windows.LEDGER_UNRANKED}\n"
+        f"local WINDOW_KEY = {_lua_string(WINDOW_KEY_PATTERN)}\n"
+        f"local RESERVATION_KEY = {_lua_string(RESERVATION_KEY_PATTERN)}\n"
+    )
+
+
 def load_lua(name: str) -> str:
-    """A script with the shared counter functions (``lua/counters.lua``) before it."""
+    """A script with the shared counter functions (``lua/counters.lua``) before it, and
+    the ledger's (``lua/ledger.lua``) before those that write ledger entries."""
     clock_key = os.environ.get(TEST_CLOCK_ENV, "")
     if not _SAFE_KEY.match(clock_key):
         raise ValueError(f"{TEST_CLOCK_ENV} must be a plain key name, got {clock_key!r}")
-    return f"local CLOCK_KEY = '{clock_key}'\n" + _read_lua("counters.lua") + _read_lua(name)
+    shared = _read_lua("counters.lua")
+    if name in _LEDGER_SCRIPTS:
+        shared += ledger_constants() + _read_lua("ledger.lua")
+    return f"local CLOCK_KEY = '{clock_key}'\n" + shared + _read_lua(name)
 
 
 def _parse_verdict(verdict: str, now: float, replayed: bool, cancelled: bool) -> Verdict:
@@ -375,7 +399,7 @@ class RedisQuotaBackend:
         counters = request.request_counters + request.token_counters
         tags = request.usage or _NO_TAGS
         key = request.reservation_key
-        open_key = _tenant(key) + ":open"
+        open_key = open_count_key(key)
         now_s = math.floor(time.time() + self.clock_offset_s)
         for attempt in range(WINDOW_RETRIES + 1):
             keys = [key]
@@ -424,7 +448,7 @@ class RedisQuotaBackend:
         minimum: int = 1,
     ) -> Grant:
         windows.check_reserve(seq, amount, minimum, token_counters)
-        open_key = _tenant(reservation_key) + ":open"
+        open_key = open_count_key(reservation_key)
         now_s = math.floor(time.time() + self.clock_offset_s)
         for attempt in range(WINDOW_RETRIES + 1):
             keys = [reservation_key]
@@ -489,14 +513,13 @@ class RedisQuotaBackend:
         self, reservation_key: str, token_counters: tuple[Counter, ...], head: list[Any], now_s: int
     ) -> tuple[list[str], list[Any]]:
         """settle.lua's KEYS and ARGV for the windows current at ``now_s``."""
-        tenant = _tenant(reservation_key)
         keys = [reservation_key]
         args = head.copy()
         for c in token_counters:
             counter_key, shape, a, b = windows.script_window(c, now_s)
             keys.append(counter_key)
             args += (shape, a, b, *c.weights)
-        keys += (tenant + ":open", tenant + ":usage")
+        keys += (open_count_key(reservation_key), usage_stream_key(reservation_key))
         return keys, args
 
     async def _settle_retry(

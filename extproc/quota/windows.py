@@ -1,11 +1,14 @@
-"""Window arithmetic and argument checks shared by every backend.
+"""Window arithmetic, argument checks and the ledger's window list, shared by every backend.
 
 Both backends must agree to the second on where a window starts and how a state is
-reported, so the rules live here once (the Lua scripts mirror them, and the conformance
-suite holds the two together).
+reported, so the rules live here once (the Lua scripts mirror them, or get the constants
+rendered in; the conformance suite and tests/quota/test_differential.py hold the two
+together).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from extproc.quota.base import (
     SETTLE_REASONS,
@@ -15,10 +18,33 @@ from extproc.quota.base import (
     CounterState,
 )
 from extproc.quota.calendar import calendar_bounds
+from extproc.quota.keys import parse_window_key, window_key
 
 # Counter keys expire this long after their window ends: late refunds are skipped by
 # clock anyway, the margin only absorbs clock skew between Redis replicas.
 EXPIRY_MARGIN_S = 2
+
+
+# A usage ledger entry lists its windows with these kinds first, in this order (the total
+# token counters a reader looks for), then every other kind; by window start within a
+# rank, then by text. lua/ledger.lua gets these values (``redis_backend.load_lua``).
+LEDGER_WINDOW_RANK: dict[CounterKind, int] = {"tpm": 1, "tenant_tpm": 2, "daily": 3}
+LEDGER_UNRANKED = 9
+
+
+def ledger_windows(nets: Iterable[tuple[str, int]]) -> str:
+    """A ledger entry's ``windows``: ``kind:span:start:net`` per window key and the net it
+    keeps of the request, ``;``-separated, in ledger order (``LEDGER_WINDOW_RANK``); keys
+    that are not window keys are left out. ``ledger_windows`` in lua/ledger.lua is the
+    same for the scripts."""
+    entries = []
+    for key, net in nets:
+        parsed = parse_window_key(key)
+        if parsed is not None:
+            kind, span, start = parsed
+            rank = LEDGER_WINDOW_RANK.get(kind, LEDGER_UNRANKED)
+            entries.append((rank, start, f"{kind}:{span}:{start}:{net}"))
+    return ";".join(text for _, _, text in sorted(entries))
 
 
 def window_start(now_s: int, window_s: int) -> int:
@@ -42,11 +68,11 @@ def script_window(counter: Counter, now_s: int) -> tuple[str, str, int, int]:
     (``f`` a window with bounds, ``s`` a sliding hash) and the two bounds (``bounds``)."""
     if counter.shape == "fixed":  # the common case first: once per counter per call
         start = now_s - now_s % counter.window_s
-        return f"{counter.key}:{start}", "f", start, start + counter.window_s
+        return window_key(counter.key, start), "f", start, start + counter.window_s
     a, b = bounds(counter, now_s)
     if counter.shape == "sliding":
         return counter.key, "s", a, b
-    return f"{counter.key}:{a}", "f", a, b
+    return window_key(counter.key, a), "f", a, b
 
 
 def sliding_retry_at(

@@ -1,8 +1,22 @@
-"""What a tenant's counters and ledger hold in Redis, whatever the window shape."""
+"""What a tenant's counters, records and ledger hold, read from either backend.
+
+The Redis readers look at the keys the scripts wrote (a plain client, bypassing the
+backend); the memory readers at the memory backend's own tables. Both give the same shape,
+so a test can compare the two backends' state.
+"""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+from typing import cast
+
 import redis
+
+from extproc.quota import windows
+from extproc.quota.base import Counter, Period
+from extproc.quota.calendar import compute_calendar_bounds
+from extproc.quota.memory_backend import MemoryQuotaBackend
 
 
 def counter_total(client: redis.Redis, tenant: str, kind: str) -> int:
@@ -30,3 +44,144 @@ def ledger_net(entries: list[dict[str, str]], kind: str) -> int:
             if part.split(":", 1)[0] == kind:
                 total += int(part.rsplit(":", 1)[1])
     return total
+
+
+# --- one view of both backends: what a differential test compares ----------------------
+
+_GLOB = re.compile(r"([*?\[\]\\])")
+
+
+def _glob_escape(key: str) -> str:
+    # A tenant-wide counter's model part is "*", a glob character for SCAN MATCH.
+    return _GLOB.sub(r"\\\1", key)
+
+
+def _window_end(counter: Counter, start: int) -> int:
+    if counter.shape == "calendar":
+        period = cast(Period, counter.period)
+        return compute_calendar_bounds(period, counter.timezone, start)[1]
+    return start + counter.window_s
+
+
+def _live_window(counter: Counter, start: int, now: float) -> bool:
+    """A window's key outlives the window by ``EXPIRY_MARGIN_S`` (what the memory backend
+    expires by its clock; Redis keys expire by the server's own, a test-shifted TIME aside)."""
+    return _window_end(counter, start) + windows.EXPIRY_MARGIN_S > now
+
+
+def _live_buckets(counter: Counter, buckets: dict[int, int], now: float) -> dict[int, int]:
+    now_s = int(now)
+    cutoff = now_s - now_s % counter.bucket_s - counter.window_s
+    return {start: v for start, v in buckets.items() if start >= cutoff and v != 0}
+
+
+def redis_windows(client: redis.Redis, counter: Counter, now: float) -> dict[int, int]:
+    """A counter's windows (fixed, calendar) or buckets (sliding) that count at ``now``:
+    start -> value, zeros left out (a window refunded to 0 holds nothing)."""
+    return redis_windows_of(client, (counter,), now)[0]
+
+
+def redis_windows_of(
+    client: redis.Redis, counters: tuple[Counter, ...], now: float
+) -> list[dict[int, int]]:
+    """``redis_windows`` of several counters in two round trips (a SCAN per tenant, then
+    one pipeline)."""
+    tags = {c.key[: c.key.index("}") + 1] for c in counters if c.shape != "sliding"}
+    stored = [
+        key
+        for tag in sorted(tags)
+        for key in client.scan_iter(match=_glob_escape(tag) + ":c:*", count=1000)
+    ]
+    pipe = client.pipeline(transaction=False)
+    asked: list[list[tuple[int, str]]] = []
+    for c in counters:
+        if c.shape == "sliding":
+            pipe.hgetall(c.key)
+            asked.append([])
+            continue
+        head = c.key + ":"
+        starts = [(k[len(head) :], k) for k in stored if k.startswith(head)]
+        live = [(int(t), k) for t, k in starts if t.isdigit() and _live_window(c, int(t), now)]
+        asked.append(live)
+        for _, key in asked[-1]:
+            pipe.get(key)
+    replies = iter(pipe.execute())
+    out: list[dict[int, int]] = []
+    for c, windows_asked in zip(counters, asked, strict=True):
+        if c.shape == "sliding":
+            fields = next(replies)
+            buckets = {int(f): int(v) for f, v in fields.items() if f.isdigit()}
+            out.append(_live_buckets(c, buckets, now))
+            continue
+        values = {start: int(next(replies) or 0) for start, _ in windows_asked}
+        out.append({start: v for start, v in values.items() if v})
+    return out
+
+
+def memory_windows(backend: MemoryQuotaBackend, counter: Counter, now: float) -> dict[int, int]:
+    """``redis_windows`` for the memory backend (read at its own clock: pass it as ``now``)."""
+    if counter.shape == "sliding":
+        h = backend._sliding.get(counter.key)
+        if h is None or h.expires_at <= now:
+            return {}
+        return _live_buckets(counter, h.buckets, now)
+    head = counter.key + ":"
+    found: dict[int, int] = {}
+    for key, value in backend.counters().items():
+        start = key[len(head) :]
+        live = key.startswith(head) and start.isdigit() and value
+        if live and _live_window(counter, int(start), now):
+            found[int(start)] = value
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class RecordView:
+    """A reservation record's content, whatever the backend's encoding."""
+
+    admitted: bool  # an admission ran and admitted (False: refused, or a tombstone)
+    reserved: int
+    charged: dict[str, int]  # window key -> what the request was charged there
+    grants: dict[int, int]  # lease seq -> tokens granted
+    settled: bool
+    cancelled: bool
+    tombstone: bool  # written by a cancel that met no admission
+
+
+def redis_record(client: redis.Redis, reservation_key: str) -> RecordView | None:
+    rec = client.hgetall(reservation_key)
+    if not rec:
+        return None
+    return RecordView(
+        admitted=rec.get("v", "").startswith("1"),
+        reserved=int(rec.get("res", 0)),
+        charged={f[1:]: int(v) for f, v in rec.items() if f.startswith("k")},
+        grants={int(f[1:]): int(v) for f, v in rec.items() if f.startswith("q")},
+        settled="st" in rec,
+        cancelled="c" in rec,
+        tombstone="v" not in rec,
+    )
+
+
+def memory_record(backend: MemoryQuotaBackend, reservation_key: str) -> RecordView | None:
+    record = backend._record(reservation_key, backend._clock())
+    if record is None:
+        return None
+    return RecordView(
+        admitted=record.admitted,
+        reserved=record.reserved,
+        charged=dict(record.charged),
+        grants=dict(record.grants),
+        settled=record.settlement is not None,
+        cancelled=record.cancelled,
+        tombstone=record.tombstone,
+    )
+
+
+def redis_ledger_entries(client: redis.Redis, stream_key: str) -> list[dict[str, str]]:
+    """A usage ledger stream's entries (``keys.usage_stream_key``), oldest first, no ids."""
+    return [fields for _, fields in client.xrange(stream_key)]
+
+
+def memory_ledger_entries(backend: MemoryQuotaBackend, stream_key: str) -> list[dict[str, str]]:
+    return [fields for _, fields in backend.ledger_entries(stream_key)]

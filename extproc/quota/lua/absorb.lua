@@ -9,6 +9,7 @@
 --              (0: none), plan, model, client_request_id, reason, prompt_tokens,
 --              output_tokens, admitted_at_us, then window_s, current_start, served_start,
 --              amount for each entry
+-- Constants    CLOCK_KEY, counters.lua and ledger.lua, prepended by the backend
 -- Reply        {already (0|1), "live,moved"[, now_s, now_us]}: tokens charged to the window
 --              they were served in, and tokens whose window had ended (or lies ahead of this
 --              server's clock), charged to the current window instead; already = 2: a
@@ -57,24 +58,9 @@ redis.call('HSET', rkey, 'st', summary)
 redis.call('EXPIRE', rkey, tonumber(ARGV[1]))
 
 if ARGV[3] == '1' then
-  local rank = {tpm = 1, tenant_tpm = 2, daily = 3}
-  local entries = {}
-  for _, key in ipairs(order) do
-    local kind, window, start = string.match(key, ':c:([%w_]+):[^:]*:(%d+):(%d+)$')
-    if rank[kind] then
-      entries[#entries + 1] = {rank[kind], tonumber(start),
-        string.format('%s:%s:%s:%d', kind, window, start, net[key])}
-    end
-  end
-  table.sort(entries, function(a, b)
-    if a[1] ~= b[1] then return a[1] < b[1] end
-    return a[2] < b[2]
-  end)
-  local windows = {}
-  for i, e in ipairs(entries) do windows[i] = e[3] end
-  local function decode(s)
-    return (string.gsub(s or '', '%%(%x%x)', function(h) return string.char(tonumber(h, 16)) end))
-  end
+  local nets = {}
+  for _, key in ipairs(order) do nets[#nets + 1] = {key, net[key]} end
+  local tenant, rid = reservation_names((string.gsub(rkey, ':absorb$', '')))
   local used = tonumber(ARGV[10]) + tonumber(ARGV[11])
   local stream = KEYS[m + 2]
   local add = {'XADD', stream}
@@ -85,10 +71,10 @@ if ARGV[3] == '1' then
     add[#add + 1] = max_len
   end
   local fields = {'*',
-    'tenant', decode(string.match(rkey, '{([^}]*)}')), 'plan', ARGV[6], 'model', ARGV[7],
-    'request_id', decode(string.match(rkey, ':r:(.*):absorb$')), 'client_request_id', ARGV[8],
+    'tenant', tenant, 'plan', ARGV[6], 'model', ARGV[7],
+    'request_id', rid, 'client_request_id', ARGV[8],
     'prompt_tokens', ARGV[10], 'output_tokens', ARGV[11], 'reserved', used, 'used', used,
-    'refunded', 0, 'windows', table.concat(windows, ';'), 'reason', ARGV[9],
+    'refunded', 0, 'windows', ledger_windows(nets, true), 'reason', ARGV[9],
     'admitted_at_us', ARGV[12], 'settled_at_us', t[1] .. string.format('%06d', tonumber(t[2]))}
   for _, x in ipairs(fields) do add[#add + 1] = x end
   local id = redis.call(unpack(add))

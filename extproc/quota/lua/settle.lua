@@ -9,8 +9,8 @@
 --              reason, output_tokens (-1: not given), cached_tokens, then shape (f|s), a,
 --              b, input, output and cached input weights per counter
 -- Constants    MARGIN, CLOCK_KEY, SETTLED_TTL (s), LEDGER (true|false), MAX_LEN (0: none),
---              RETENTION_MS (0: none): the backend's settings, and counters.lua, prepended
---              by it (fewer arguments to pack per call)
+--              RETENTION_MS (0: none): the backend's settings, and counters.lua and
+--              ledger.lua, prepended by it (fewer arguments to pack per call)
 -- Reply        {status, summary[, now_s, now_us]}: status 0 settled now, 1 already settled
 --              (first summary), 2 no admitted record (orphan mode only), 3 another owner's
 --              (orphan mode only), 4 wrong window (nothing done; TIME follows)
@@ -153,28 +153,14 @@ if not cancel then
 end
 
 if LEDGER then
-  local rank = {tpm = 1, tenant_tpm = 2, daily = 3}
-  local entries = {}
+  local nets = {}
   for field, amount in pairs(rec) do
-    local kind, window, start = string.match(field, '^k.*:c:([%w_]+):[^:]*:([^:]+):(%d+)$')
-    if kind then
-      entries[#entries + 1] = {rank[kind] or 9, tonumber(start), string.format(
-        '%s:%s:%s:%s', kind, window, start, int(net[field] or tonumber(amount)))}
+    if string.sub(field, 1, 1) == 'k' then  -- a charge: 'k' .. window key
+      nets[#nets + 1] = {string.sub(field, 2), net[field] or tonumber(amount)}
     end
   end
-  table.sort(entries, function(a, b)
-    if a[1] ~= b[1] then return a[1] < b[1] end
-    return a[2] < b[2]
-  end)
-  local windows = {}
-  for i, e in ipairs(entries) do windows[i] = e[3] end
-  local reason = ARGV[5]
-  if cancel then reason = 'cancelled' elseif orphan then reason = 'orphaned' end
-  local function decode(s)
-    return (string.gsub(s or '', '%%(%x%x)', function(h) return string.char(tonumber(h, 16)) end))
-  end
-  local rid = decode(string.match(rkey, ':r:(.*)$'))
-  local tenant = decode(string.match(rkey, '{([^}]*)}'))
+  local reason = ARGV[5]  -- the backend's own in cancel and orphan modes
+  local tenant, rid = reservation_names(rkey)
   local stream = KEYS[n + 3]
   local add = {'XADD', stream}
   if MAX_LEN > 0 then
@@ -186,7 +172,7 @@ if LEDGER then
     'tenant', tenant, 'plan', rec['pl'] or '', 'model', rec['md'] or '',
     'request_id', rid, 'client_request_id', rec['cr'] or '',
     'prompt_tokens', prompt, 'output_tokens', output, 'reserved', reserved, 'used', used,
-    'refunded', parts[3] or '0', 'windows', table.concat(windows, ';'), 'reason', reason,
+    'refunded', parts[3] or '0', 'windows', ledger_windows(nets, false), 'reason', reason,
     'admitted_at_us', rec['at'] or '', 'settled_at_us', t[1] .. string.format('%06d', tonumber(t[2]))}
   for _, x in ipairs(fields) do add[#add + 1] = x end
   local id = redis.call(unpack(add))
