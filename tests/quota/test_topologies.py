@@ -245,19 +245,24 @@ async def test_a_dead_processors_open_records_are_settled_by_a_peer_on_a_cluster
     b = backend_from_url(shared_cluster.url, command_timeout_s=DEADLINE_S, owner_id="proc-b")
     assert isinstance(a, RedisQuotaBackend) and isinstance(b, RedisQuotaBackend)
     try:
+        # Never beats on its own: each first admission in a tenant lists its open set, and
+        # the records are in the open sets from their admission on.
         dying = Liveness(a, Metrics(), prefix=prefix, heartbeat_ttl_s=30, sweep_interval_s=60)
         opened: list[tuple[str, Counter]] = []
-        for tenants in tenants_on_masters(shared_cluster, per_master=1).values():
-            counter = Counter(
-                "daily", keys.counter_key(tenants[0], "daily", None, WINDOW_S, prefix), 10**9,
-                WINDOW_S,
-            )  # fmt: skip
-            key = keys.reservation_key(tenants[0], "open", prefix)
-            assert (await a.admit(AdmitRequest(key, (), (counter,), 64))).admitted
-            opened.append((key, counter))
-        await dying.beat()  # registers the three open keys (tenants on three masters)
-        owned = keys.owned_key("proc-a", prefix)
-        assert await a.client.scard(owned) == 3
+        for tenants in tenants_on_masters(shared_cluster, per_master=2).values():
+            for tenant in tenants:
+                counter = Counter(
+                    "daily", keys.counter_key(tenant, "daily", None, WINDOW_S, prefix), 10**9,
+                    WINDOW_S,
+                )  # fmt: skip
+                for n in range(3):
+                    key = keys.reservation_key(tenant, f"open-{n}", prefix)
+                    assert (await a.admit(AdmitRequest(key, (), (counter,), 64))).admitted
+                    opened.append((key, counter))
+        index = keys.registries_key("proc-a", prefix)
+        assert len(dying.registrations.known) == 6 and await a.client.scard(index) == 6
+        for key, _ in opened:
+            assert await a.client.sismember(keys.open_set_key(key, "proc-a"), key)
         await a.client.delete(keys.heartbeat_key("proc-a", prefix))  # its TTL ran out
 
         clock = FakeClock(1000.0)
@@ -266,9 +271,10 @@ async def test_a_dead_processors_open_records_are_settled_by_a_peer_on_a_cluster
         )
         await peer.beat()
         clock.now += 30
-        assert await peer.sweep() == 3
-        assert await b.client.exists(owned) == 0
+        assert await peer.sweep() == len(opened) == 18
+        assert await b.client.exists(index) == 0
         for key, counter in opened:
+            assert await b.client.exists(keys.open_set_key(key, "proc-a")) == 0
             again = await b.settle(key, (counter,), 0)
             assert again.already_settled and again.used == 64  # settled at what it reserved
         await peer.stop()

@@ -1,0 +1,194 @@
+"""The books balance after a worker is SIGKILLed under load: counters == ledger, one ledger
+entry per admitted request, no record left open.
+
+Real parts: ``serve --workers 2`` behind Envoy (one endpoint, a processor connection per
+stream so both workers take streams), redis-server, the simulator at 20 ms per token. 30
+streams of ~1.5 s start 40 ms apart; once 12 of them have delivered tokens, worker 0 is
+SIGKILLed. Every admitted record is registered in its tenant's slot by the admission itself,
+so the live worker's sweep finds and settles the dead one's records (used = reserved) within
+the bound ``heartbeat_ttl_s`` + ``orphan_sweep_s`` (+ jitter): the test waits for "0 open
+records" with a deadline derived from those settings, then checks the books. The figures
+(open records, counter − ledger gap) are printed with ``-s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import redis
+
+from extproc.quota import keys
+from tests.gateway.conftest import FAST_PROFILE, WINDOW_S, tenant_key, write_processor_config
+from tests.gateway.test_workers import start_envoy_one_endpoint, start_workers
+from tests.support.redis_server import RedisServer
+from tests.support.simulator import Simulator
+from tests.support.sse_client import StreamResult, stream_http1
+
+pytestmark = pytest.mark.slow
+
+TENANT = "books"
+PREFIX = "tq-books"
+MODEL = "gpt-4.1"
+MODELS = {MODEL: {"tokenizer": "o200k_base", "max_tokens": 4096}}
+HEARTBEAT_TTL_S = 2.0
+SWEEP_S = 0.5
+STREAMS = 30
+KILL_AFTER = 12  # streams that have delivered tokens when worker 0 is killed
+REQUEST = {
+    "model": MODEL,
+    "stream": True,
+    "max_tokens": 75,  # 1.5 s at 20 ms per token
+    "ignore_eos": True,
+    "stream_options": {"include_usage": True},
+    "messages": [{"role": "user", "content": "count slowly"}],
+}
+
+
+def settle_deadline_s() -> float:
+    """Generous: the bound (TTL + a sweep with its 20 % jitter) many times over, for a
+    loaded 2-core machine, plus the time the sweeper needs to trust its own beats."""
+    bound = HEARTBEAT_TTL_S + SWEEP_S * 1.2
+    return 10 * bound + 30
+
+
+class Books:
+    """What Redis holds for the tenant, accumulated over reads (settled records expire)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.admitted: dict[str, dict[str, str]] = {}  # record key -> last fields read
+
+    def read(self) -> None:
+        for key in self.client.scan_iter(match=f"{PREFIX}:{{{TENANT}}}:r:*", count=1000):
+            if key.endswith(":absorb"):
+                continue
+            fields = self.client.hgetall(key)
+            if fields.get("v", "").startswith("1"):
+                self.admitted[key] = fields
+
+    def open_records(self) -> list[str]:
+        self.read()
+        return [k for k, f in self.admitted.items() if "st" not in f]
+
+    def ledger(self) -> list[dict[str, str]]:
+        stream = keys.usage_stream_key(keys.reservation_key(TENANT, "x", PREFIX))
+        return [fields for _, fields in self.client.xrange(stream)]
+
+    def counters(self) -> dict[str, int]:
+        head = keys.counter_key(TENANT, "tpm", MODEL, WINDOW_S, PREFIX)
+        return {k: int(self.client.get(k) or 0) for k in self.client.scan_iter(match=head + ":*")}
+
+    def ledger_by_window(self) -> dict[str, int]:
+        head = keys.counter_key(TENANT, "tpm", MODEL, WINDOW_S, PREFIX)
+        out: dict[str, int] = defaultdict(int)
+        for entry in self.ledger():
+            for part in filter(None, entry.get("windows", "").split(";")):
+                kind, _, start, net = part.split(":")
+                if kind == "tpm":
+                    out[f"{head}:{start}"] += int(net)
+        return dict(out)
+
+
+def owner_pid(owner: str) -> int:
+    found = re.search(r"-(\d+)-[0-9a-f]+$", owner)
+    assert found is not None, owner
+    return int(found.group(1))
+
+
+def test_a_sigkilled_workers_records_are_all_settled_and_the_books_balance(
+    tmp_path: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    sim = Simulator(FAST_PROFILE, "--inter-token-latency", "20ms", log_dir=tmp_path)
+    plan = {"window_s": WINDOW_S, "batch_tokens": 16, "limits": {"*": {"tpm": 10_000_000}}}
+    config = write_processor_config(
+        tmp_path / "quota.yaml", {TENANT: plan}, redis_url=redis_server.url, models=MODELS,
+        key_prefix=PREFIX, heartbeat_ttl_s=HEARTBEAT_TTL_S, orphan_sweep_s=SWEEP_S,
+    )  # fmt: skip
+    workers = start_workers(config, tmp_path)
+    envoy = None
+    try:
+        envoy = start_envoy_one_endpoint(tmp_path, workers.port, [sim.port])
+        victim = workers.pids()[0]
+        books = Books(redis_client)
+        url = envoy.base_url + "/v1/chat/completions"
+        state: dict[str, object] = {}
+
+        async def run() -> list[StreamResult]:
+            delivered = [asyncio.Event() for _ in range(STREAMS)]
+            tasks = []
+            for i in range(STREAMS):
+                headers = {"x-request-id": f"books-{i}"}
+                tasks.append(
+                    asyncio.create_task(
+                        stream_http1(
+                            url, tenant_key(TENANT), REQUEST, headers, first_event=delivered[i]
+                        )
+                    )
+                )
+                await asyncio.sleep(0.04)  # spread the admissions, not a synchronisation
+
+            async def kill_after(n: int) -> None:
+                while sum(e.is_set() for e in delivered) < n:
+                    await asyncio.sleep(0.01)
+                os.kill(victim, signal.SIGKILL)
+                state["killed_at"] = time.monotonic()
+                # What the dead worker left open at once (its peer needs a TTL to notice).
+                state["open_at_kill"] = [
+                    k
+                    for k in await asyncio.to_thread(books.open_records)
+                    if owner_pid(books.admitted[k].get("o", "x-0-0")) == victim
+                ]
+
+            killer = asyncio.create_task(kill_after(KILL_AFTER))
+            results = await asyncio.gather(*tasks)
+            await killer
+            return results
+
+        results = asyncio.run(run())
+        dead_open = list(state["open_at_kill"])  # type: ignore[call-overload]
+        assert dead_open, "the killed worker held no open stream: the test proved nothing"
+        cut = [r for r in results if not r.done]
+        assert cut, "no client stream was cut by the kill"
+
+        deadline = time.monotonic() + settle_deadline_s()
+        while time.monotonic() < deadline and books.open_records():
+            time.sleep(0.1)
+        settled_after = time.monotonic() - float(state["killed_at"])  # type: ignore[arg-type]
+        left = books.open_records()
+        counters, ledger_windows = books.counters(), books.ledger_by_window()
+        gap = sum(counters.values()) - sum(ledger_windows.values())
+        ledger = books.ledger()
+        per_request: dict[str, int] = defaultdict(int)
+        for entry in ledger:
+            per_request[entry["request_id"]] += 1
+        admitted_ids = {keys.decode_name(k.rpartition(":r:")[2]) for k in books.admitted}
+        print(
+            f"\nworker kill: {len(dead_open)} records of the dead worker open at the kill; "
+            f"{len(left)} left open {settled_after:.1f}s after it "
+            f"(heartbeat_ttl_s={HEARTBEAT_TTL_S}, orphan_sweep_s={SWEEP_S}); "
+            f"counter - ledger = {gap} tokens; {len(admitted_ids)} admitted, "
+            f"{len(ledger)} ledger entries; {len(cut)} client streams cut"
+        )
+        assert left == []
+        assert counters == ledger_windows
+        assert set(per_request) == admitted_ids
+        assert all(n == 1 for n in per_request.values()), per_request
+        orphaned = [e for e in ledger if e["reason"] == "orphaned"]
+        assert len(orphaned) == len(dead_open)
+        # Billed as charged: nothing refunded, used = reserved.
+        assert all(e["used"] == e["reserved"] and e["refunded"] == "0" for e in orphaned)
+        # Every stream the client saw admitted has its entry (by its x-request-id).
+        clients = {e["client_request_id"] for e in ledger}
+        assert {f"books-{i}" for i, r in enumerate(results) if r.status == 200} <= clients
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        workers.stop()
+        sim.stop()
