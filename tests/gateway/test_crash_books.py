@@ -27,6 +27,7 @@ import redis
 from extproc.quota import keys
 from tests.gateway.conftest import FAST_PROFILE, WINDOW_S, tenant_key, write_processor_config
 from tests.gateway.test_workers import start_envoy_one_endpoint, start_workers
+from tests.support.gateway import Envoy, Processor, wait_until
 from tests.support.redis_server import RedisServer
 from tests.support.simulator import Simulator
 from tests.support.sse_client import StreamResult, stream_http1
@@ -192,3 +193,65 @@ def test_a_sigkilled_workers_records_are_all_settled_and_the_books_balance(
             envoy.stop()
         workers.stop()
         sim.stop()
+
+
+def test_a_settlement_queued_while_redis_was_away_is_settled_by_a_peer_after_a_kill(
+    tmp_path: Path,
+) -> None:
+    """Redis stops mid-stream: the lease fails, the breaker opens (one failure), the meter
+    cuts the stream and its settlement waits in the processor's local queue, never sent.
+    The processor is SIGKILLed with it, and Redis comes back: the record is still open in
+    Redis, in its owner's open set, so the peer settles it, billed as charged."""
+    server = RedisServer.start(tmp_path / "redis")
+    sim = Simulator(FAST_PROFILE, "--inter-token-latency", "20ms", log_dir=tmp_path)
+    plan = {"window_s": WINDOW_S, "batch_tokens": 16, "limits": {"*": {"tpm": 10_000_000}}}
+    config = write_processor_config(
+        tmp_path / "quota.yaml", {TENANT: plan}, redis_url=server.url, models=MODELS,
+        key_prefix=PREFIX, heartbeat_ttl_s=HEARTBEAT_TTL_S, orphan_sweep_s=SWEEP_S,
+        quota_timeout_ms=300, circuit_breaker={"failures": 1, "probe_interval_ms": 100},
+    )  # fmt: skip
+    client = redis.Redis(port=server.port, decode_responses=True)
+    books = Books(client)
+    started: list[Processor | Envoy | Simulator] = [sim]
+    try:
+        doomed = Processor.start(config, tmp_path)
+        started.append(doomed)
+        peer = Processor.start(config, tmp_path)
+        started.append(peer)
+        envoy = Envoy.start(tmp_path, [doomed.port], [sim.port])
+        started.append(envoy)
+        request = {**REQUEST, "max_tokens": 400}  # 8 s: Redis stops mid-stream
+
+        async def run() -> StreamResult:
+            first = asyncio.Event()
+            url = envoy.base_url + "/v1/chat/completions"
+            task = asyncio.create_task(
+                stream_http1(url, tenant_key(TENANT), request, first_event=first)
+            )
+            await first.wait()  # admitted: at once, before any background beat could run
+            os.kill(server.pid, signal.SIGSTOP)
+            return await task
+
+        try:
+            result = asyncio.run(run())
+            # Cut cleanly by the meter (its lease got no answer), settlement queued.
+            assert result.error is not None and result.error["code"] == "quota_unavailable"
+            assert wait_until(lambda: doomed.metrics()["extproc_quota_queue_depth"] >= 1, 30)
+            doomed.process.signal(signal.SIGKILL)
+            doomed.process.proc.wait(30)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+
+        # The peer trusts its own beats again after a TTL, then sweeps: the bound from then.
+        assert wait_until(lambda: not books.open_records(), timeout_s=settle_deadline_s())
+        [entry] = books.ledger()
+        [fields] = books.admitted.values()
+        assert entry["reason"] == "orphaned"
+        assert entry["used"] == entry["reserved"] == fields["res"] and entry["refunded"] == "0"
+        assert books.counters() == books.ledger_by_window()
+        assert peer.metrics()["extproc_orphan_settlements_total"] == 1
+    finally:
+        for part in reversed(started):
+            part.stop()
+        client.close()
+        server.stop()
