@@ -77,6 +77,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import math
 import random
 import time
@@ -85,7 +86,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from extproc.quota import keys
 from extproc.quota.base import RECORD_TTL_S, QuotaUnavailable, Settlement
@@ -121,6 +122,25 @@ def settle_bound_s(heartbeat_ttl_s: float, sweep_interval_s: float) -> float:
 
 def _lua(name: str) -> str:
     return resources.files("extproc.quota").joinpath("lua", name).read_text(encoding="utf-8")
+
+
+class LuaScript:
+    """EVALSHA, and EVAL on NOSCRIPT (which caches it on that node), on the node of the keys.
+
+    Not redis-py's ``register_script``: on a cluster its NOSCRIPT path loads the script on
+    every master, so one master down would stop the heartbeat of the others' slot too.
+    """
+
+    def __init__(self, client: aioredis.Redis, script: str) -> None:
+        self.client = client
+        self.script = script
+        self.sha = hashlib.sha1(script.encode()).hexdigest()
+
+    async def __call__(self, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await self.client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self.client.eval(self.script, len(keys), *keys, *args)
 
 
 class Registrations:
@@ -242,8 +262,8 @@ class Liveness:
         self._procs = keys.processor_index_key(prefix)
         self._heartbeat = keys.heartbeat_key(self.processor_id, prefix)
         self._registries = keys.registries_key(self.processor_id, prefix)
-        self._beat = self._client.register_script(_lua("beat.lua"))
-        self._forget = self._client.register_script(_lua("forget.lua"))
+        self._beat = LuaScript(self._client, _lua("beat.lua"))
+        self._forget = LuaScript(self._client, _lua("forget.lua"))
         self._clock = clock
         self.registrations = Registrations(clock, quiet_s=self.beat_interval_s)
         self.registrations.send = self.beat

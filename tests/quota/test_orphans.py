@@ -22,6 +22,7 @@ from extproc.quota import keys
 from extproc.quota.base import SETTLED_TTL_S, AdmitRequest, Counter
 from extproc.quota.orphans import (
     Liveness,
+    LuaScript,
     Registrations,
     beat_interval,
     find_orphan_backend,
@@ -238,7 +239,7 @@ async def test_a_failing_index_never_blocks_admissions_and_the_next_beat_lists_i
         assert len(beats) == 1  # quiet for a beat interval: admissions don't wait on it
         # The index is reachable again: the next beat lists the open set.
         me._client = working
-        me._beat = working.register_script(me._beat.script)
+        me._beat = LuaScript(working, me._beat.script)
         await me.beat()
         assert await plain_redis.smembers(keys.registries_key("proc-a")) == {open_set}
         assert me.registrations.pending == set() and me.registrations.fresh(open_set)

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from extproc.metrics import Metrics
 from extproc.quota.base import AdmitRequest, Counter, LedgerSettings, UsageTags
 from extproc.quota.keys import counter_key, heartbeat_key, reservation_key, usage_stream_key
-from extproc.quota.orphans import Liveness
+from extproc.quota.orphans import Liveness, LuaScript
 from extproc.quota.redis_backend import RedisQuotaBackend, load_lua
 from extproc.quota.resilient import ResilientQuotaBackend, _Op, absorb_key
 from extproc.quota.resp import Script
@@ -323,8 +323,8 @@ async def test_the_liveness_scripts_touch_only_declared_keys(
 
     def strict_liveness(b: RedisQuotaBackend, clock: FakeClock) -> Liveness:
         live = Liveness(b, Metrics(), heartbeat_ttl_s=30, clock=clock)
-        live._beat = b.client.register_script(STRICT + live._beat.script)
-        live._forget = b.client.register_script(STRICT + live._forget.script)
+        live._beat = LuaScript(b.client, STRICT + live._beat.script)
+        live._forget = LuaScript(b.client, STRICT + live._forget.script)
         return live
 
     clock = FakeClock(0.0)

@@ -284,6 +284,54 @@ async def test_a_dead_processors_open_records_are_settled_by_a_peer_on_a_cluster
         await b.close()
 
 
+async def test_a_sweep_settles_the_orphans_of_the_masters_that_answer_while_one_is_gone(
+    cluster: RedisClusterSet,
+) -> None:
+    # One slot range gone for good (its master and its replica killed; the others keep
+    # serving): the sweep settles what the other masters hold and keeps the rest listed.
+    for node in cluster.live_nodes():
+        node.client().config_set("cluster-require-full-coverage", "no")
+    prefix = f"gone{next(_ids)}"
+    a = backend_from_url(cluster.url, command_timeout_s=DEADLINE_S, owner_id="proc-a")
+    b = backend_from_url(cluster.url, command_timeout_s=DEADLINE_S, owner_id="proc-b")
+    assert isinstance(a, RedisQuotaBackend) and isinstance(b, RedisQuotaBackend)
+    try:
+        Liveness(a, Metrics(), prefix=prefix, heartbeat_ttl_s=30, sweep_interval_s=60)
+        by_master = tenants_on_masters(cluster, per_master=1)
+        index_master = cluster.master_of(keys.registries_key("proc-a", prefix))
+        victim = next(port for port in by_master if port != index_master)
+        lost: list[str] = []
+        for port, tenants in by_master.items():
+            counter = Counter(
+                "daily", keys.counter_key(tenants[0], "daily", None, WINDOW_S, prefix), 10**9,
+                WINDOW_S,
+            )  # fmt: skip
+            for n in range(2):
+                key = keys.reservation_key(tenants[0], f"open-{n}", prefix)
+                assert (await a.admit(AdmitRequest(key, (), (counter,), 64))).admitted
+                if port == victim:
+                    lost.append(key)
+        await a.client.delete(keys.heartbeat_key("proc-a", prefix))  # its TTL ran out
+        clock = FakeClock(1000.0)
+        peer = Liveness(
+            b, Metrics(), prefix=prefix, heartbeat_ttl_s=30, sweep_interval_s=60, clock=clock
+        )
+        await peer.beat()  # (redis-py's cluster client learns the slots while all answer)
+        replica = cluster.topology()[victim][0]
+        cluster.node(victim).kill()
+        cluster.node(replica).kill()
+        clock.now += 30
+        assert await peer.sweep() == 4  # two masters' records; the gone one's are skipped
+        assert peer.metrics.liveness_errors_total >= 1
+        # Still listed, and so is the processor: a later sweep takes them once they answer.
+        left = await b.client.smembers(keys.registries_key("proc-a", prefix))
+        assert left == {keys.open_set_key(lost[0], "proc-a")}
+        assert await b.client.sismember(keys.processor_index_key(prefix), "proc-a")
+    finally:
+        await a.close()
+        await b.close()
+
+
 # -- failover under load -----------------------------------------------------------------
 
 
