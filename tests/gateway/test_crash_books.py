@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import orjson
 import pytest
 import redis
 
@@ -28,7 +29,9 @@ from extproc.quota import keys
 from tests.gateway.conftest import FAST_PROFILE, WINDOW_S, tenant_key, write_processor_config
 from tests.gateway.test_workers import start_envoy_one_endpoint, start_workers
 from tests.support.gateway import Envoy, Processor, wait_until
+from tests.support.raw_upstream import RawUpstream
 from tests.support.redis_server import RedisServer
+from tests.support.scripted_upstream import chat_stream
 from tests.support.simulator import Simulator
 from tests.support.sse_client import StreamResult, stream_http1
 
@@ -60,14 +63,16 @@ def settle_deadline_s() -> float:
 
 
 class Books:
-    """What Redis holds for the tenant, accumulated over reads (settled records expire)."""
+    """What Redis holds for a tenant, accumulated over reads (settled records expire)."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, tenant: str = TENANT, prefix: str = PREFIX) -> None:
         self.client = client
+        self.tenant, self.prefix = tenant, prefix
         self.admitted: dict[str, dict[str, str]] = {}  # record key -> last fields read
 
     def read(self) -> None:
-        for key in self.client.scan_iter(match=f"{PREFIX}:{{{TENANT}}}:r:*", count=1000):
+        pattern = f"{self.prefix}:{{{self.tenant}}}:r:*"
+        for key in self.client.scan_iter(match=pattern, count=1000):
             if key.endswith(":absorb"):
                 continue
             fields = self.client.hgetall(key)
@@ -79,22 +84,35 @@ class Books:
         return [k for k, f in self.admitted.items() if "st" not in f]
 
     def ledger(self) -> list[dict[str, str]]:
-        stream = keys.usage_stream_key(keys.reservation_key(TENANT, "x", PREFIX))
+        stream = keys.usage_stream_key(keys.reservation_key(self.tenant, "x", self.prefix))
         return [fields for _, fields in self.client.xrange(stream)]
 
+    def _head(self) -> str:
+        return keys.counter_key(self.tenant, "tpm", MODEL, WINDOW_S, self.prefix)
+
     def counters(self) -> dict[str, int]:
-        head = keys.counter_key(TENANT, "tpm", MODEL, WINDOW_S, PREFIX)
-        return {k: int(self.client.get(k) or 0) for k in self.client.scan_iter(match=head + ":*")}
+        found = self.client.scan_iter(match=self._head() + ":*")
+        return {k: int(self.client.get(k) or 0) for k in found}
 
     def ledger_by_window(self) -> dict[str, int]:
-        head = keys.counter_key(TENANT, "tpm", MODEL, WINDOW_S, PREFIX)
         out: dict[str, int] = defaultdict(int)
         for entry in self.ledger():
             for part in filter(None, entry.get("windows", "").split(";")):
                 kind, _, start, net = part.split(":")
                 if kind == "tpm":
-                    out[f"{head}:{start}"] += int(net)
+                    out[f"{self._head()}:{start}"] += int(net)
         return dict(out)
+
+    def balance(self) -> None:
+        """counters == ledger, one ledger entry per admitted request, none open."""
+        assert self.open_records() == []
+        assert self.counters() == self.ledger_by_window()
+        per_request: dict[str, int] = defaultdict(int)
+        for entry in self.ledger():
+            per_request[entry["request_id"]] += 1
+        admitted = {keys.decode_name(k.rpartition(":r:")[2]) for k in self.admitted}
+        assert set(per_request) == admitted
+        assert all(n == 1 for n in per_request.values()), per_request
 
 
 def owner_pid(owner: str) -> int:
@@ -255,3 +273,52 @@ def test_a_settlement_queued_while_redis_was_away_is_settled_by_a_peer_after_a_k
             part.stop()
         client.close()
         server.stop()
+
+
+def test_a_request_whose_processor_dies_before_its_answer_gets_503_and_a_peer_bills_it(
+    tmp_path: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """The processor is SIGKILLed while the model server holds its admitted request: the
+    client has no response headers yet, so Envoy answers itself (its ext_proc stream broke
+    after the processor had answered: ``ext_proc_error_gRPC_error_13{upstream_reset_after_
+    response_started…}``, which Envoy cannot retry). It says 503, retry, not 500; the
+    admission is billed as charged by the peer."""
+    prefix = PREFIX + "-503"
+    plan = {"window_s": WINDOW_S, "limits": {"*": {"tpm": 10_000_000}}}
+    config = write_processor_config(
+        tmp_path / "quota.yaml", {TENANT: plan}, redis_url=redis_server.url, models=MODELS,
+        key_prefix=prefix, heartbeat_ttl_s=HEARTBEAT_TTL_S, orphan_sweep_s=SWEEP_S,
+    )  # fmt: skip
+    started: list[Processor | Envoy] = []
+    try:
+        doomed = Processor.start(config, tmp_path)
+        started.append(doomed)
+        peer = Processor.start(config, tmp_path)
+        started.append(peer)
+
+        def kill_processor() -> None:
+            doomed.process.signal(signal.SIGKILL)
+            doomed.process.proc.wait(10)
+
+        async def run() -> StreamResult:
+            chunks = chat_stream([" hello"] * 4, None)
+            async with RawUpstream(lambda _: chunks, on_request=kill_processor) as upstream:
+                envoy = Envoy.start(tmp_path, [doomed.port], [upstream.port])
+                started.append(envoy)
+                url = envoy.base_url + "/v1/chat/completions"
+                headers = {"x-request-id": "held"}
+                return await stream_http1(url, tenant_key(TENANT), REQUEST, headers)
+
+        result = asyncio.run(run())
+        assert result.status == 503, result.body
+        assert result.headers.get("retry-after") == "1"
+        assert orjson.loads(result.body)["error"]["code"] == "processor_failed"
+
+        stream = keys.usage_stream_key(keys.reservation_key(TENANT, "x", prefix))
+        assert wait_until(lambda: redis_client.xlen(stream) == 1, timeout_s=settle_deadline_s())
+        [(_, entry)] = redis_client.xrange(stream)
+        assert (entry["client_request_id"], entry["reason"]) == ("held", "orphaned")
+        assert entry["used"] == entry["reserved"]  # billed as charged: it cannot know less
+    finally:
+        for part in reversed(started):
+            part.stop()
