@@ -153,9 +153,15 @@ class Registrations:
     and admissions stop waiting for a while (``quiet_s``) rather than each timing out.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, quiet_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        quiet_s: float = 2.0,
+        wait_s: float | None = None,
+    ) -> None:
         self._clock = clock
         self.quiet_s = quiet_s
+        self.wait_s = wait_s  # an admission waits at most this long for its beat
         self.known: set[str] = set()  # listed by a beat that went through
         self.pending: set[str] = set()  # used, and not (surely) listed yet
         # The index holds ``known`` until then: the heartbeat of the last beat lives.
@@ -178,8 +184,13 @@ class Registrations:
             beat = asyncio.ensure_future(self.send())
             self._inflight[open_set] = beat
             beat.add_done_callback(functools.partial(self._done, open_set))
-        with contextlib.suppress(Exception):
-            await asyncio.shield(beat)
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await asyncio.shield(beat)
+        except TimeoutError:  # it goes on; admissions stop waiting for a while
+            self._quiet_until = self._clock() + self.quiet_s
+        except Exception:
+            pass  # logged by _done
 
     def _done(self, open_set: str, beat: asyncio.Future[Any]) -> None:
         self._inflight.pop(open_set, None)
@@ -211,6 +222,9 @@ class OrphanBackend(Protocol):
 
     @property
     def client(self) -> aioredis.Redis: ...
+
+    @property
+    def command_timeout_s(self) -> float | None: ...
 
     async def settle_orphan(
         self, reservation_key: str, owner_id: str
@@ -265,7 +279,9 @@ class Liveness:
         self._beat = LuaScript(self._client, _lua("beat.lua"))
         self._forget = LuaScript(self._client, _lua("forget.lua"))
         self._clock = clock
-        self.registrations = Registrations(clock, quiet_s=self.beat_interval_s)
+        # An admission waits for its beat no longer than for its own quota call.
+        wait_s = min(self.call_timeout_s, backend.command_timeout_s or self.call_timeout_s)
+        self.registrations = Registrations(clock, quiet_s=self.beat_interval_s, wait_s=wait_s)
         self.registrations.send = self.beat
         backend.registrations = self.registrations
         self._beats = 0
@@ -388,13 +404,13 @@ class Liveness:
                     members = await self._client.srandmember(
                         open_set, min(SWEEP_BATCH, budget - taken)
                     )
+                    if not members:
+                        emptied.append(open_set)  # dropped by forget.lua, if still dead
+                        break
                     # Checked after the read: every record read was admitted while that
                     # heartbeat lived, so if it is gone now, its owner is gone.
                     if await self._client.exists(heartbeat):
                         return settled, taken
-                    if not members:
-                        emptied.append(open_set)
-                        break
                     statuses = await asyncio.gather(*(settle(k) for k in members))
                     now_settled = statuses.count("settled")
                     settled += now_settled

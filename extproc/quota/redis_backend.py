@@ -290,6 +290,11 @@ class RedisQuotaBackend:
         return f"local {names} = {values}\n" + load_lua(name)
 
     @property
+    def command_timeout_s(self) -> float | None:
+        """The bound of each script call (None: only the socket and pool timeouts)."""
+        return self._command_timeout_s
+
+    @property
     def client(self) -> aioredis.Redis:
         """The client the scripts run on (the orphan reconciler's own calls share it)."""
         return self._client

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -246,6 +247,29 @@ async def test_a_failing_index_never_blocks_admissions_and_the_next_beat_lists_i
     finally:
         await a.close()
         await working.aclose()
+
+
+async def test_an_admission_waits_for_a_hanging_index_no_longer_than_for_its_own_call(
+    redis_server: RedisServer, plain_redis: aioredis.Redis
+) -> None:
+    # The {~p} slot accepts connections and never answers (a master SIGSTOPped).
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    hanging = aioredis.Redis(port=silent.getsockname()[1], decode_responses=True)
+    scripts = RespConnection.from_url(redis_server.url)
+    a = RedisQuotaBackend(hanging, scripts, command_timeout_s=0.5, owner_id="proc-a")
+    try:
+        me = Liveness(a, Metrics(), heartbeat_ttl_s=120, call_timeout_s=60)
+        key = new_key()
+        assert (await a.admit(admission(key))).admitted
+        [beat] = me.registrations._inflight.values()
+        assert not beat.done()  # still waiting on {~p}: the admission went ahead
+        assert await plain_redis.smembers(keys.open_set_key(key, "proc-a")) == {key}
+        beat.cancel()
+    finally:
+        await a.close()
+        silent.close()
 
 
 async def test_every_open_record_of_a_dead_processor_is_settled_by_a_peer(
