@@ -27,9 +27,11 @@ import redis
 
 from extproc.quota import keys
 from tests.gateway.conftest import FAST_PROFILE, WINDOW_S, tenant_key, write_processor_config
+from tests.gateway.test_cluster_gateway import master_client, one_tenant_per_master
 from tests.gateway.test_workers import start_envoy_one_endpoint, start_workers
 from tests.support.gateway import Envoy, Processor, wait_until
 from tests.support.raw_upstream import RawUpstream
+from tests.support.redis_cluster import RedisClusterSet
 from tests.support.redis_server import RedisServer
 from tests.support.scripted_upstream import chat_stream
 from tests.support.simulator import Simulator
@@ -322,3 +324,58 @@ def test_a_request_whose_processor_dies_before_its_answer_gets_503_and_a_peer_bi
     finally:
         for part in reversed(started):
             part.stop()
+
+
+def test_on_a_redis_cluster_a_killed_processors_records_on_every_master_are_settled(
+    tmp_path: Path,
+) -> None:
+    """Three tenants, one per master of a real 3-master cluster (with replicas): a processor
+    SIGKILLed mid-stream leaves records on every master, each in its tenant's open set; the
+    peer finds them through the dead processor's index and settles them all."""
+    cluster = RedisClusterSet.start(tmp_path / "cluster")
+    sim = Simulator(FAST_PROFILE, "--inter-token-latency", "20ms", log_dir=tmp_path)
+    started: list[Processor | Envoy | Simulator] = [sim]
+    try:
+        tenants = list(one_tenant_per_master(cluster).values())
+        plan = {"window_s": WINDOW_S, "batch_tokens": 16, "limits": {"*": {"tpm": 10_000_000}}}
+        config = write_processor_config(
+            tmp_path / "quota.yaml", {t: plan for t in tenants}, redis_url=cluster.url,
+            models=MODELS, key_prefix=PREFIX, heartbeat_ttl_s=HEARTBEAT_TTL_S,
+            orphan_sweep_s=SWEEP_S,
+        )  # fmt: skip
+        doomed = Processor.start(config, tmp_path)
+        started.append(doomed)
+        peer = Processor.start(config, tmp_path)
+        started.append(peer)
+        envoy = Envoy.start(tmp_path, [doomed.port], [sim.port])
+        started.append(envoy)
+        books = {t: Books(master_client(cluster, t), t, PREFIX) for t in tenants}
+        url = envoy.base_url + "/v1/chat/completions"
+
+        async def run() -> list[StreamResult]:
+            delivered = [asyncio.Event() for _ in range(3 * len(tenants))]
+            tasks = [
+                asyncio.create_task(
+                    stream_http1(url, tenant_key(tenants[i % 3]), REQUEST, first_event=e)
+                )
+                for i, e in enumerate(delivered)
+            ]
+            while not all(e.is_set() for e in delivered):
+                await asyncio.sleep(0.01)
+            doomed.process.signal(signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+        results = asyncio.run(run())
+        assert all(not r.done for r in results)  # every stream was cut by the kill
+        assert wait_until(
+            lambda: not any(b.open_records() for b in books.values()),
+            timeout_s=settle_deadline_s(),
+        )
+        for tenant, book in books.items():
+            book.balance()
+            assert [e["reason"] for e in book.ledger()] == ["orphaned"] * 3, tenant
+        assert peer.metrics()["extproc_orphan_settlements_total"] == 9
+    finally:
+        for part in reversed(started):
+            part.stop()
+        cluster.stop()
