@@ -46,6 +46,13 @@ them whenever the breaker is closed, so they go in as soon as Redis returns, wit
 without traffic. A full queue drops the new entry (counted, logged as an error): a dropped
 settlement leaves its reservation charged as leased, a dropped absorb under-charges.
 ``flush`` waits for the queue to empty (shutdown); ``close`` logs what is left.
+
+The queue lives in this process only. What it still holds when the process dies (or
+stops with Redis still away) is not lost from the books: a queued settlement or cancel
+belongs to a record that is still open in Redis, in this processor's open set
+(``admit.lua``), and a live peer settles it at what it reserved once this processor's
+heartbeat is gone (``extproc.quota.orphans``): billed as charged. Queued absorbs (what was
+served from the allowance) die with the process.
 """
 
 from __future__ import annotations
