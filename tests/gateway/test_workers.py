@@ -341,3 +341,11 @@ def test_every_log_record_of_a_worker_carries_its_index(stack: Stack) -> None:
     assert {r["worker"] for r in serving} == set(range(WORKERS))  # (a restart serves again)
     # Every record but the supervisor's about all workers (workers_*) names its worker.
     assert all("worker" in r for r in records if not r.get("event", "").startswith("workers_"))
+
+
+def test_a_negative_worker_timeout_is_refused(tmp_path: Path, redis_server: RedisServer) -> None:
+    config = write_processor_config(tmp_path / "quota.yaml", TENANTS, redis_url=redis_server.url)
+    argv = serve_argv(config, free_port(), None, WORKERS, "--worker-timeout-s", "-1")
+    code, text = exit_of(argv, tmp_path / "refused.log")
+    assert code == 2 and "--worker-timeout-s must be >= 0" in text, text
+    assert "worker_started" not in text
