@@ -16,12 +16,20 @@ import structlog
 
 from extproc.config import ConfigError, load_config
 from extproc.config.reload import DEFAULT_POLL_S
+from extproc.transport.workers import WORKER_TIMEOUT_S, WorkerRole
 
 
-def _configure_logging(level: str) -> None:
+def _configure_logging(level: str, worker: int | None = None) -> None:
+    """JSON records on stderr; a worker of ``serve --workers N`` puts its index in each."""
     logging.basicConfig(format="%(message)s", stream=sys.stderr, level=level.upper())
+
+    def add_worker(_: object, __: str, event: dict[str, object]) -> dict[str, object]:
+        event.setdefault("worker", worker)
+        return event
+
     structlog.configure(
         processors=[
+            *([add_worker] if worker is not None else []),
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -109,6 +117,22 @@ def main(argv: list[str] | None = None) -> int:
         "a fixed port. Worker i serves /metrics on the --metrics-listen port + i: scrape "
         "each. A worker that dies is restarted; SIGTERM/SIGINT drain them all",
     )
+    serve.add_argument(
+        "--worker-timeout-s",
+        type=float,
+        default=WORKER_TIMEOUT_S,
+        help="with --workers N: a worker whose event loop has not turned for this long "
+        "(SIGSTOPped, blocked, deadlocked) is killed and replaced; its open records are "
+        "settled by a peer (0: only dead workers are replaced)",
+    )
+    # Set by the supervisor on each worker's command line (extproc.transport.workers).
+    for hidden, kind in (
+        ("--worker-index", int),
+        ("--worker-count", int),
+        ("--worker-beat-fd", int),
+        ("--worker-beat-interval-s", float),
+    ):
+        serve.add_argument(hidden, type=kind, help=argparse.SUPPRESS)
     check = sub.add_parser("check-config", help="validate a config, print its normal form and hash")
     check.add_argument("config")
     _key_parser(sub)
@@ -143,9 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     # Until the server's handler is installed, a SIGHUP (a reload asked too early, or passed
     # on by the supervisor to a worker still starting) must not kill the process.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    _configure_logging(args.log_level)
+    _configure_logging(args.log_level, args.worker_index)
     if args.config_poll_s < 0:
         print("--config-poll-s must be >= 0", file=sys.stderr)
+        return 2
+    if args.worker_timeout_s < 0:
+        print("--worker-timeout-s must be >= 0", file=sys.stderr)
         return 2
     overrides = {
         "listen": args.listen,
@@ -191,12 +218,24 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("tls_cert", "tls_key", "tls_client_ca", "health_listen"):
             if getattr(args, name):
                 shared += ["--" + name.replace("_", "-"), getattr(args, name)]
-        return supervise(shared, args.workers, config.listen, args.metrics_listen)
+        return supervise(
+            shared, args.workers, config.listen, args.metrics_listen, args.worker_timeout_s
+        )
     from extproc.transport.server import serve as run_server
 
+    role = None
+    if args.worker_index is not None:
+        role = WorkerRole(
+            args.worker_index,
+            args.worker_count or 1,
+            args.worker_beat_fd,
+            args.worker_beat_interval_s or 1.0,
+        )
     try:
         asyncio.run(
-            run_server(config, args.metrics_listen, args.config, overrides, args.config_poll_s)
+            run_server(
+                config, args.metrics_listen, args.config, overrides, args.config_poll_s, role
+            )
         )
     except (RuntimeError, OSError) as exc:
         # A port taken between the check and the bind: say which, not grpc's own words.

@@ -52,7 +52,11 @@ def redis_credentials(config: Config) -> dict[str, str]:
 
 
 class Runtime:
-    def __init__(self, config: Config, backend: QuotaBackend | None = None) -> None:
+    def __init__(
+        self, config: Config, backend: QuotaBackend | None = None, fail_open_workers: int = 1
+    ) -> None:
+        """``fail_open_workers``: processes sharing this host's fail-open allowances
+        (``serve --workers N``): each takes 1/N of them."""
         self.config = config
         self.metrics = Metrics()
         self.metrics_registry = registry_for(
@@ -88,6 +92,7 @@ class Runtime:
                     failures=config.circuit_breaker.failures,
                     probe_interval_s=config.circuit_breaker.probe_interval_s,
                     queue_max=config.settle_queue_max,
+                    fail_open_workers=fail_open_workers,
                 ),
                 metrics=self.metrics,
                 ledger=config.usage_ledger,

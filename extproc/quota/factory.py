@@ -46,5 +46,6 @@ def backend_from_url(
         failures=resilience.failures,
         probe_interval_s=resilience.probe_interval_s,
         queue_max=resilience.queue_max,
+        fail_open_workers=resilience.fail_open_workers,
         metrics=metrics,
     )

@@ -12,9 +12,10 @@ for a sliding one (whose counter is the hash at the prefix itself, one field per
     <prefix>:{<t>}:r:<id>                      reservation record of one request
     <prefix>:{<t>}:open                        the tenant's count of open requests
     <prefix>:{<t>}:usage                       the tenant's usage ledger (a Stream)
+    <prefix>:{<t>}:own:<p>                     the tenant's records processor <p> holds open
     <prefix>:{~p}:procs                        set of processor ids that have heartbeaten
     <prefix>:{~p}:hb:<p>                       heartbeat of processor <p> (short TTL)
-    <prefix>:{~p}:own:<p>                      reservation keys processor <p> holds open
+    <prefix>:{~p}:regs:<p>                     the tenants' ``own`` sets <p> has written to
 
 Why this shape:
 
@@ -24,9 +25,12 @@ Why this shape:
   holds ``:``, ``{``, ``}`` or ``*`` raw, so fields cannot run into each other and the
   encoding is injective: two different (tenant, model) pairs never share a key.
 * ``*`` marks "no model"; it cannot be the encoding of any model name.
+* A tenant's open records are listed per processor in the tenant's own slot (``own``), so
+  the admission that charges a request registers it in the same script.
 * Processor-level keys (``extproc.quota.orphans``) share the hash tag ``{~p}``: one slot for
-  the heartbeat and owner set pipelines. ``~`` is always percent-encoded in a tenant name, so
-  no tenant's tag can be ``{~p}``; each quota script still touches only its tenant's slot.
+  the heartbeat and the index of a processor's ``own`` sets. ``~`` is always percent-encoded
+  in a tenant name, so no tenant's tag can be ``{~p}``; each quota script still touches
+  only its tenant's slot.
 """
 
 from __future__ import annotations
@@ -116,7 +120,8 @@ def reservation_key(tenant: str, request_id: str, prefix: str = DEFAULT_PREFIX) 
     return f"{tenant_tag(tenant, prefix)}:r:{encode_name(request_id)}"
 
 
-def _tenant_part(reservation_key: str) -> str:
+def tenant_part(reservation_key: str) -> str:
+    """``<prefix>:{<t>}`` of a reservation key: what every key of that tenant starts with."""
     tag, sep, _ = reservation_key.rpartition(":r:")
     if not sep:
         raise ValueError(f"not a reservation key: {reservation_key!r}")
@@ -125,7 +130,7 @@ def _tenant_part(reservation_key: str) -> str:
 
 def records_prefix(reservation_key: str) -> str:
     """``<prefix>:{<t>}:r:``: what every reservation record of that tenant starts with."""
-    return f"{_tenant_part(reservation_key)}:r:"
+    return f"{tenant_part(reservation_key)}:r:"
 
 
 def open_count_key(reservation_key: str) -> str:
@@ -133,12 +138,18 @@ def open_count_key(reservation_key: str) -> str:
 
     ``<prefix>:{<t>}:open``: same hash tag (slot) as every record of the tenant.
     """
-    return f"{_tenant_part(reservation_key)}:open"
+    return f"{tenant_part(reservation_key)}:open"
 
 
 def usage_stream_key(reservation_key: str) -> str:
     """The tenant's usage ledger (a Redis Stream), in the slot of its counters and records."""
-    return f"{_tenant_part(reservation_key)}:usage"
+    return f"{tenant_part(reservation_key)}:usage"
+
+
+def open_set_key(reservation_key: str, owner_id: str) -> str:
+    """``<prefix>:{<t>}:own:<p>``: the tenant's records processor ``owner_id`` admitted and
+    has not settled (admit.lua adds, settle.lua removes), in the slot of the records."""
+    return f"{tenant_part(reservation_key)}:own:{_processor_id(owner_id)}"
 
 
 def window_key(counter_prefix: str, window_start: int) -> str:
@@ -192,6 +203,7 @@ def heartbeat_key(processor_id: str, prefix: str = DEFAULT_PREFIX) -> str:
     return f"{_processor_part(prefix)}:hb:{_processor_id(processor_id)}"
 
 
-def owned_key(processor_id: str, prefix: str = DEFAULT_PREFIX) -> str:
-    """Set of the reservation keys a processor has admitted and not yet settled."""
-    return f"{_processor_part(prefix)}:own:{_processor_id(processor_id)}"
+def registries_key(processor_id: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """Set of the tenants' ``open_set_key`` sets a processor has registered records in:
+    where a peer looks for them once the processor is dead (no scan of the keyspace)."""
+    return f"{_processor_part(prefix)}:regs:{_processor_id(processor_id)}"

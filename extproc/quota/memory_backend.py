@@ -5,8 +5,10 @@ both). Every method runs to completion without awaiting, so on one event loop ea
 atomic just like a Lua script; nothing here is shared across threads or processes.
 
 Records live as in Redis: an open record ``record_ttl_s``, a settled one at most
-``settled_ttl_s`` (``SETTLED_TTL_S``), a cancelled one keeps its TTL. A processor that dies
-takes this backend with it, so it has no orphans to reconcile.
+``settled_ttl_s`` (``SETTLED_TTL_S``), a cancelled one keeps its TTL. An admitted record
+names its owner (``owner_id``) and is listed in the owner's open set of its tenant until it
+is settled, and ``settle_orphan`` settles it as a peer would, as in Redis; but a processor
+that dies takes this backend with it, so nobody ever needs to.
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from extproc.quota.base import (
     UsageTags,
     Verdict,
 )
-from extproc.quota.keys import records_prefix, reservation_names, usage_stream_key, window_key
+from extproc.quota.keys import (
+    open_set_key,
+    records_prefix,
+    reservation_names,
+    usage_stream_key,
+    window_key,
+)
 
 LedgerEntry = tuple[str, dict[str, str]]
 
@@ -56,6 +64,15 @@ class _Record:
     admitted_at_us: str = ""
     net: dict[str, int] = field(default_factory=dict)  # window key -> kept after settling
     shadow_refused_by: tuple[CounterKind, ...] = ()
+    owner: str = ""  # 'o': the processor that admitted it
+
+
+@dataclass(slots=True)
+class _OpenSet:
+    """A tenant's records one owner holds open (the Redis set ``keys.open_set_key``)."""
+
+    members: set[str]
+    expires_at: float
 
 
 @dataclass(slots=True)
@@ -174,9 +191,14 @@ class MemoryQuotaBackend:
         sweep_interval_s: float = 5.0,
         settled_ttl_s: int = SETTLED_TTL_S,
         ledger: LedgerSettings | None = None,
+        owner_id: str = "local",
     ) -> None:
         if settled_ttl_s <= 0:
             raise ValueError(f"settled_ttl_s must be > 0, got {settled_ttl_s}")
+        if not owner_id:
+            raise ValueError("owner_id must be non-empty")
+        self.owner_id = owner_id
+        self._open_sets: dict[str, _OpenSet] = {}
         self.ledger = ledger if ledger is not None else LedgerSettings()
         # The usage ledger: per tenant stream key, (entry id, fields) as Redis XRANGE lists.
         self._ledgers: dict[str, deque[LedgerEntry]] = {}
@@ -213,6 +235,9 @@ class MemoryQuotaBackend:
             self._counters = {k: e for k, e in self._counters.items() if e[1] > now}
             self._sliding = {k: h for k, h in self._sliding.items() if h.expires_at > now}
             self._records = {k: r for k, r in self._records.items() if r.expires_at > now}
+            self._open_sets = {
+                k: o for k, o in self._open_sets.items() if o.expires_at > now and o.members
+            }
             self._next_sweep = now + self._sweep_interval_s
         return now, math.floor(now)
 
@@ -223,6 +248,22 @@ class MemoryQuotaBackend:
     def _record(self, key: str, now: float) -> _Record | None:
         record = self._records.get(key)
         return record if record is not None and record.expires_at > now else None
+
+    def open_set(self, key: str) -> set[str]:
+        """Members of an open set (``keys.open_set_key``), as Redis SMEMBERS would list them."""
+        found = self._open_sets.get(key)
+        return (
+            set(found.members) if found is not None and found.expires_at > self._clock() else set()
+        )
+
+    def _unlist(self, reservation_key: str, owner_id: str) -> None:
+        """settle.lua's SREM from the owner's open set (an emptied set is no key)."""
+        key = open_set_key(reservation_key, owner_id)
+        found = self._open_sets.get(key)
+        if found is not None:
+            found.members.discard(reservation_key)
+            if not found.members:
+                del self._open_sets[key]
 
     async def admit(self, request: AdmitRequest) -> Verdict:
         windows.check_admit(request)
@@ -271,6 +312,13 @@ class MemoryQuotaBackend:
         if admitted:
             record.tags = request.usage or UsageTags()
             record.admitted_at_us = _micros(now)
+            record.owner = self.owner_id
+            listed = open_set_key(request.reservation_key, self.owner_id)
+            found = self._open_sets.get(listed)
+            if found is None or found.expires_at <= now:
+                found = self._open_sets[listed] = _OpenSet(set(), 0.0)
+            found.members.add(request.reservation_key)
+            found.expires_at = max(found.expires_at, now_s + request.record_ttl_s)
             if request.tokens > 0 and request.token_counters:
                 record.reserved = request.tokens
                 for i in range(n_req, len(counters)):
@@ -377,6 +425,7 @@ class MemoryQuotaBackend:
         windows.check_reason(reason, output_tokens, used)
         now, now_s = self._tick()
         record = self._record(reservation_key, now)
+        self._unlist(reservation_key, self.owner_id)
         if record is not None and record.settlement is not None:
             return self._already_settled(record.settlement)
         if record is None or not record.admitted:
@@ -405,6 +454,7 @@ class MemoryQuotaBackend:
         windows.check_cancel(tombstone_ttl_s, token_counters)
         now, now_s = self._tick()
         record = self._record(reservation_key, now)
+        self._unlist(reservation_key, self.owner_id)
         if record is not None and record.settlement is not None:
             return self._already_settled(record.settlement)
         if record is None:
@@ -426,6 +476,26 @@ class MemoryQuotaBackend:
             )
         record.cancelled = True
         return record.settlement
+
+    async def settle_orphan(
+        self, reservation_key: str, owner_id: str
+    ) -> tuple[str, Settlement | None]:
+        """settle.lua's orphan mode: ``owner_id``'s open record, used = what it reserved."""
+        if not owner_id:
+            raise ValueError("owner_id must be non-empty")
+        now, now_s = self._tick()
+        record = self._record(reservation_key, now)
+        self._unlist(reservation_key, owner_id)
+        if record is not None and record.settlement is not None:
+            return "already_settled", self._already_settled(record.settlement)
+        if record is None or not record.admitted:
+            return "no_record", None
+        if record.owner != owner_id:
+            return "not_owned", None
+        record.settlement = self._settle(record, (), record.reserved, None, 0, now, now_s)
+        self._append(reservation_key, record, "orphaned", None, now)
+        record.expires_at = min(record.expires_at, now + self.settled_ttl_s)
+        return "settled", record.settlement
 
     @staticmethod
     def _already_settled(first: Settlement) -> Settlement:

@@ -1,4 +1,4 @@
-"""Processor crashes: the open reservations of a dead processor, reconciled by its peers.
+"""Processor crashes: the open reservations of a dead processor, settled by its peers.
 
 What a crash costs. A processor that is SIGKILLed (or loses its host) mid-stream takes the
 streams it was metering with it: Envoy closes each client's connection mid-body. Every
@@ -10,69 +10,86 @@ because nobody knows any more how much of it was delivered:
   ``1.5 × batch_tokens`` not yet forwarded (48 tokens at the default batch of 32);
 * a request reserved whole (not streamed, ``reserve_max``) had prompt + ``max_tokens × n``.
 
-Records admitted without token counters (RPM only) hold nothing and are not tracked.
-
 So a crash over-charges each open request by at most what it had reserved and not yet
 delivered, and never under-charges it (the client got no token that was not leased). That
-over-charge stays in the windows it was charged to, as any charge does: until the minute
-(``window_s``) window ends for TPM, until UTC midnight for a daily budget. RPM keeps the
+over-charge stays in the windows it was charged to, as any charge does. RPM keeps the
 attempt, as for every request.
 
-How long the records last. An open record lives ``RECORD_TTL_S`` (an hour). Each processor
-registers the keys it holds open, so that when its heartbeat expires a live peer settles
-them with ``used`` = what was reserved (nothing refunded, nothing more charged; the record
-is finalised, lives ``SETTLED_TTL_S`` more, and counts in ``extproc_orphan_settlements_total``
-of the peer that settled it). That happens within ``heartbeat_ttl_s`` (30 s) + one
-``orphan_sweep_s`` (10 s, ±20 %) of the crash: about 40 s by default (3 s with a 3 s TTL
-and a 0.5 s sweep in tests/gateway/test_processor_crash.py). Reservations admitted within
-the last registration interval (``REGISTER_INTERVAL_S``, 2 s) before the crash, or whose
-admission reply was still in flight, are not registered yet: they cost the same budget
-(the settlement above refunds nothing either) but their records stay until their hour is
-up: ~1 KB each, at most 2 s of that processor's admissions.
+Every open record is found. The admission script that charges a request also adds its
+record to the owner's open set in the tenant's own slot (``<prefix>:{<t>}:own:<p>``,
+``admit.lua``), and settling takes it out (``settle.lua``): there is no moment at which a
+charge exists that a peer could not find, and it works on a Redis Cluster (one slot per
+script). A peer finds the open sets of a dead processor through the processor's index
+(``<prefix>:{~p}:regs:<p>``, the open sets it has written to), which the processor fills
+*before* its first admission in each tenant (``Registrations.ensure``: one round trip per
+new tenant, then a set lookup per admission) — no scan of the keyspace, on any topology.
+
+The bound. Once its heartbeat (``heartbeat_ttl_s``, 30 s) has expired, a live peer's next
+sweep (every ``orphan_sweep_s``, 10 s, ±20 %) settles every open record of the dead
+processor with ``used`` = what was reserved (nothing refunded, nothing more charged; the
+record is finalised, lives ``SETTLED_TTL_S`` more, gets a ledger entry ``orphaned`` and
+counts in ``extproc_orphan_settlements_total`` of the peer that settled it). So within
+``heartbeat_ttl_s + 1.2 × orphan_sweep_s`` of the kill (42 s by default; 2.6 s with the
+2 s TTL and 0.5 s sweep of tests/gateway/test_crash_books.py), plus one more sweep per
+``SWEEP_MAX_PER_PASS`` records. A sweeper sweeps only once its own beats have gone through
+for a whole TTL (a peer started with the dead one waits that long once).
+
+A dead processor's records are billed as charged. Its peer knows only the record: what was
+reserved. That is also what a settlement still waiting in the dead processor's local queue
+(Redis was away, ``extproc.quota.resilient``) leaves behind: the record stays open in Redis,
+so a peer settles it at what it reserved, never at nothing — including an admission whose
+reply was lost and whose queued cancel died with the processor. What the processor served
+from its fail-open allowance and had not yet absorbed into Redis is lost with it (at most
+its allowance: those tokens were never in Redis).
 
 A processor that is alive but cannot reach Redis for longer than ``heartbeat_ttl_s`` (or
 whose event loop stalls that long) looks dead too: peers settle its open records, its
 streams end at their next lease (it grants 0 on a settled record), and its own settlements
 find them settled (never less than reserved is charged). It counts
-``extproc_heartbeat_lapses_total`` when its next beat finds its heartbeat gone. Its streams
-would have failed on their leases anyway while Redis was out of reach.
+``extproc_heartbeat_lapses_total`` when its next beat finds its heartbeat gone, and lists
+all its open sets again.
 
-Design: nothing on the hot path. ``admit.lua`` stores the owner id in the record (one more
-ARGV of the same call); the backend notes admitted and settled keys in an in-process set
-(``OpenReservations``, a dict operation). In the background, per processor:
+Background, per processor:
 
-* every ``REGISTER_INTERVAL_S`` one pipelined call refreshes the heartbeat
-  (``{~p}:hb:<id>``, TTL ``heartbeat_ttl_s``), lists the processor in ``{~p}:procs`` and
-  adds the newly opened keys to / removes the settled ones from its owner set
-  (``{~p}:own:<id>``); a request admitted and settled between two beats costs nothing;
-* every ``orphan_sweep_s`` (±20 % jitter), once its own beats have gone through for a whole
-  heartbeat TTL (after a Redis outage every heartbeat may have expired at once: live peers
-  get that long to beat again), a sweep reads ``{~p}:procs``, checks the other
-  processors' heartbeats in one pipeline and, for each dead one, settles its owner set's
-  keys (``settle_orphan``: one script on the tenant's slot, idempotent, owner checked)
-  in batches, at most ``SWEEP_MAX_PER_PASS`` records per pass, then drops them from the set
-  and, once the set is empty, the processor from ``{~p}:procs``.
+* every ``beat_interval`` (≤ TTL/4, at most 2 s) ``beat.lua`` refreshes the heartbeat
+  (``{~p}:hb:<p>``), lists the processor in ``{~p}:procs`` and adds the open sets not yet
+  in its index; every open set again once per TTL, or after a lapse (a failover that lost a
+  write, or a peer that took it for dead, is repaired within a TTL);
+* every ``orphan_sweep_s`` (±20 %) a sweep reads ``{~p}:procs``, checks the other
+  processors' heartbeats in one pipeline and, for each dead one, walks its index: reads a
+  batch of each open set, checks the heartbeat again (after the read: every record listed
+  was admitted while that heartbeat lived), settles the batch (``settle_orphan``: one
+  script on the tenant's slot, idempotent, owner checked; it takes the key out of the set),
+  at most ``SWEEP_MAX_PER_PASS`` records per pass; then ``forget.lua`` drops the open sets
+  found empty from the index and, once it is empty, the processor from ``{~p}:procs`` —
+  only while the heartbeat is missing, so a processor that comes back keeps its index.
 
-Every processor-level key shares the hash tag ``{~p}`` (one slot, so each pipeline goes to
-one Redis Cluster node); each quota script still touches only its tenant's slot. On a
-graceful stop the processor registers its last settlements and deletes its heartbeat (and,
-when nothing is left open, its owner set and its entry in ``{~p}:procs``), so peers settle
-at once whatever a timed-out drain left open.
+Exactly once. Settling checks the record's settled flag in the script: the owner and a
+peer (or two peers) settling the same record concurrently make one settlement and one
+ledger entry; the later one is answered "already settled".
+
+On a graceful stop the processor deletes its heartbeat, so peers settle at once whatever a
+timed-out drain left open, and drops from its index the open sets it left empty.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hashlib
+import math
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from importlib import resources
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
+from redis.exceptions import NoScriptError, RedisError
 
 from extproc.quota import keys
-from extproc.quota.base import RECORD_TTL_S, Settlement
+from extproc.quota.base import RECORD_TTL_S, QuotaUnavailable, Settlement
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -83,88 +100,131 @@ log = structlog.get_logger("extproc.orphans")
 
 HEARTBEAT_TTL_S = 30.0  # a processor silent this long is taken for dead
 SWEEP_INTERVAL_S = 10.0  # how often each processor looks for dead peers
-REGISTER_INTERVAL_S = 2.0  # heartbeat + owner-set registration, one pipelined call
-SWEEP_BATCH = 200  # owner-set members taken per round of a sweep
+BEAT_INTERVAL_S = 2.0  # heartbeat + index, one script
+SWEEP_JITTER = 0.2  # each pause between sweeps is the interval ± this share
+SWEEP_BATCH = 200  # open-set members taken per round of a sweep
 SWEEP_MAX_PER_PASS = 2000  # records one sweep pass settles at most (a bounded rate)
 SWEEP_CONCURRENCY = 16  # orphan settlements in flight at once
-_ARGS_PER_COMMAND = 1000  # keys per SADD/SREM in a registration pipeline
 # Attributes a wrapping backend may hold the Redis backend under (see find_orphan_backend).
 _WRAPPED = ("inner", "_inner", "backend", "_backend", "primary", "_primary")
 
 
-def register_interval(heartbeat_ttl_s: float) -> float:
+def beat_interval(heartbeat_ttl_s: float) -> float:
     """Beats come at least four times per heartbeat TTL: one late beat never looks dead."""
-    return min(REGISTER_INTERVAL_S, heartbeat_ttl_s / 4)
+    return min(BEAT_INTERVAL_S, heartbeat_ttl_s / 4)
 
 
-class OpenReservations:
-    """Reservation keys this processor holds open, and what its owner set still lacks.
+def settle_bound_s(heartbeat_ttl_s: float, sweep_interval_s: float) -> float:
+    """How long after a processor dies a live peer has settled its open records (up to
+    ``SWEEP_MAX_PER_PASS`` of them; one more sweep per as many more)."""
+    return heartbeat_ttl_s + sweep_interval_s * (1 + SWEEP_JITTER)
 
-    ``opened`` and ``closed`` run on the hot path (admit, settle): dict and set operations
-    only. ``changes`` / ``applied`` / ``failed`` are the registration task's side.
+
+def _lua(name: str) -> str:
+    return resources.files("extproc.quota").joinpath("lua", name).read_text(encoding="utf-8")
+
+
+class LuaScript:
+    """EVALSHA, and EVAL on NOSCRIPT (which caches it on that node), on the node of the keys.
+
+    Not redis-py's ``register_script``: on a cluster its NOSCRIPT path loads the script on
+    every master, so one master down would stop the heartbeat of the others' slot too.
+    """
+
+    def __init__(self, client: aioredis.Redis, script: str) -> None:
+        self.client = client
+        self.script = script
+        self.sha = hashlib.sha1(script.encode()).hexdigest()
+
+    async def __call__(self, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await self.client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await self.client.eval(self.script, len(keys), *keys, *args)
+
+
+class Registrations:
+    """The tenants' open sets this processor's index lists, and until when that is sure.
+
+    ``fresh`` runs on every admission: a set lookup and a clock read. An open set not
+    known yet, or known while the heartbeat may have lapsed (peers may have dropped it from
+    the index), goes through ``ensure`` first: one beat that lists it. Should that beat fail
+    (the ``{~p}`` slot is unreachable), the admission goes ahead: the next beat lists it,
+    and admissions stop waiting for a while (``quiet_s``) rather than each timing out.
     """
 
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, max_age_s: float = RECORD_TTL_S
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        quiet_s: float = 2.0,
+        wait_s: float | None = None,
     ) -> None:
         self._clock = clock
-        self._max_age_s = max_age_s
-        self._open: dict[str, float] = {}  # key -> when it was opened
-        self._registered: set[str] = set()  # open keys the owner set holds
-        self._stale: set[str] = set()  # keys the owner set (may) hold that are settled
+        self.quiet_s = quiet_s
+        self.wait_s = wait_s  # an admission waits at most this long for its beat
+        self.known: set[str] = set()  # listed by a beat that went through
+        self.pending: set[str] = set()  # used, and not (surely) listed yet
+        # The index holds ``known`` until then: the heartbeat of the last beat lives.
+        self.valid_until = -math.inf
+        self.full_at = -math.inf  # when every known open set was last sent
+        self.send: Callable[[], Awaitable[Any]] | None = None  # the beat (Liveness)
+        self._inflight: dict[str, asyncio.Future[Any]] = {}
+        self._quiet_until = -math.inf
 
-    def __len__(self) -> int:
-        return len(self._open)
+    def fresh(self, open_set: str) -> bool:
+        return open_set in self.known and self._clock() < self.valid_until
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._open
+    async def ensure(self, open_set: str) -> None:
+        """List ``open_set`` in the index before an admission charges into it."""
+        self.pending.add(open_set)
+        if self.send is None or self._clock() < self._quiet_until:
+            return
+        beat = self._inflight.get(open_set)
+        if beat is None:  # concurrent admissions of one tenant share one beat
+            beat = asyncio.ensure_future(self.send())
+            self._inflight[open_set] = beat
+            beat.add_done_callback(functools.partial(self._done, open_set))
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await asyncio.shield(beat)
+        except TimeoutError:  # it goes on; admissions stop waiting for a while
+            self._quiet_until = self._clock() + self.quiet_s
+        except Exception:
+            pass  # logged by _done
 
-    def opened(self, key: str) -> None:
-        self._open.setdefault(key, self._clock())
+    def _done(self, open_set: str, beat: asyncio.Future[Any]) -> None:
+        self._inflight.pop(open_set, None)
+        if not beat.cancelled() and beat.exception() is not None:
+            self._quiet_until = self._clock() + self.quiet_s
+            log.warning("registration_failed", open_set=open_set, error=repr(beat.exception()))
 
-    def closed(self, key: str) -> None:
-        if self._open.pop(key, None) is not None and key in self._registered:
-            self._registered.discard(key)
-            self._stale.add(key)
+    def to_send(self, now: float, ttl_s: float, margin_s: float) -> tuple[list[str], bool]:
+        """(open sets the next beat lists, whether that is every one known). All of them when
+        the heartbeat may have lapsed by the time the beat lands, and once per TTL."""
+        full = now + margin_s >= self.valid_until or now - self.full_at >= ttl_s
+        return sorted((self.pending | self.known) if full else self.pending), full
 
-    def changes(self) -> tuple[list[str], list[str]]:
-        """(keys to add to the owner set, keys to remove from it) as of now.
-
-        A key open longer than a record lives is dropped: its record has expired (its
-        settlement kept failing), so there is nothing left to reconcile.
-        """
-        horizon = self._clock() - self._max_age_s
-        for key in [k for k, opened in self._open.items() if opened < horizon]:
-            self.closed(key)
-        adds = [k for k in self._open if k not in self._registered]
-        return adds, list(self._stale)
-
-    def applied(self, adds: Iterable[str], removes: Iterable[str]) -> None:
-        """The registration pipeline ran: what it added is registered, what it removed gone."""
-        self._stale.difference_update(removes)
-        for key in adds:
-            if key in self._open:
-                self._registered.add(key)
-            else:  # settled while its registration was on the wire
-                self._stale.add(key)
-
-    def failed(self, adds: Iterable[str]) -> None:
-        """The registration pipeline may or may not have run: all is sent again next time,
-        and a key settled meanwhile is removed to be safe (SREM of a non-member is a no-op)."""
-        for key in adds:
-            if key not in self._open:
-                self._stale.add(key)
+    def sent(self, listed: Iterable[str], full: bool, sent_at: float, ttl_s: float) -> None:
+        """A beat sent at ``sent_at`` went through: its heartbeat lives ``ttl_s`` from then."""
+        listed = set(listed)
+        self.known |= listed
+        self.pending -= listed
+        self.valid_until = max(self.valid_until, sent_at + ttl_s)
+        if full:
+            self.full_at = max(self.full_at, sent_at)
 
 
 class OrphanBackend(Protocol):
     """What the reconciler needs of a backend (``RedisQuotaBackend`` provides it)."""
 
     owner_id: str
+    registrations: Registrations | None
 
     @property
     def client(self) -> aioredis.Redis: ...
 
-    def track_open_reservations(self) -> OpenReservations: ...
+    @property
+    def command_timeout_s(self) -> float | None: ...
 
     async def settle_orphan(
         self, reservation_key: str, owner_id: str
@@ -178,7 +238,7 @@ def find_orphan_backend(backend: Any) -> OrphanBackend | None:
     """
     seen: set[int] = set()
     while backend is not None and id(backend) not in seen:
-        if hasattr(backend, "settle_orphan") and hasattr(backend, "track_open_reservations"):
+        if hasattr(backend, "settle_orphan") and hasattr(backend, "registrations"):
             return backend  # type: ignore[no-any-return]
         seen.add(id(backend))
         backend = next(
@@ -189,7 +249,7 @@ def find_orphan_backend(backend: Any) -> OrphanBackend | None:
 
 
 class Liveness:
-    """This processor's heartbeat and registration, and its sweep for dead peers."""
+    """This processor's heartbeat and index, and its sweep for dead peers."""
 
     def __init__(
         self,
@@ -209,14 +269,21 @@ class Liveness:
         self.prefix = prefix
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.sweep_interval_s = sweep_interval_s
-        self.register_interval_s = register_interval(heartbeat_ttl_s)
-        self.call_timeout_s = call_timeout_s
-        self.open = backend.track_open_reservations()
+        self.beat_interval_s = beat_interval(heartbeat_ttl_s)
+        # A beat that lands later than this after it was sent has failed (its timeout).
+        self.call_timeout_s = min(call_timeout_s, heartbeat_ttl_s / 2)
         self._client = backend.client
-        self._index = keys.processor_index_key(prefix)
+        self._procs = keys.processor_index_key(prefix)
         self._heartbeat = keys.heartbeat_key(self.processor_id, prefix)
-        self._owned = keys.owned_key(self.processor_id, prefix)
+        self._registries = keys.registries_key(self.processor_id, prefix)
+        self._beat = LuaScript(self._client, _lua("beat.lua"))
+        self._forget = LuaScript(self._client, _lua("forget.lua"))
         self._clock = clock
+        # An admission waits for its beat no longer than for its own quota call.
+        wait_s = min(self.call_timeout_s, backend.command_timeout_s or self.call_timeout_s)
+        self.registrations = Registrations(clock, quiet_s=self.beat_interval_s, wait_s=wait_s)
+        self.registrations.send = self.beat
+        backend.registrations = self.registrations
         self._beats = 0
         # Start of the current run of successful beats (None: the last one failed).
         self._healthy_since: float | None = None
@@ -224,12 +291,12 @@ class Liveness:
         self._stopping = asyncio.Event()
 
     def start(self) -> None:
-        """Start the registration and sweep tasks on the running loop (idempotent)."""
+        """Start the beat and sweep tasks on the running loop (idempotent)."""
         if self._tasks:
             return
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(self._every(self.register_interval_s, self.beat, jitter=False)),
+            loop.create_task(self._every(self.beat_interval_s, self.beat, jitter=False)),
             loop.create_task(self._every(self.sweep_interval_s, self.sweep, jitter=True)),
         ]
 
@@ -247,33 +314,33 @@ class Liveness:
             except Exception as exc:  # Redis unreachable: try again next time
                 self.metrics.liveness_errors_total += 1
                 log.warning("liveness_step_failed", step=step.__name__, error=repr(exc))
-            pause = interval_s * (random.uniform(0.8, 1.2) if jitter else 1.0)
+            spread = random.uniform(1 - SWEEP_JITTER, 1 + SWEEP_JITTER) if jitter else 1.0
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(pause):
+                async with asyncio.timeout(interval_s * spread):
                     await self._stopping.wait()
 
     async def beat(self) -> None:
-        """Refresh the heartbeat and register opened / unregister settled keys: one call."""
-        adds, removes = self.open.changes()
-        pipe = self._client.pipeline(transaction=False)
-        pipe.exists(self._heartbeat)
-        pipe.set(self._heartbeat, "1", px=max(1, round(self.heartbeat_ttl_s * 1000)))
-        pipe.sadd(self._index, self.processor_id)
-        for i in range(0, len(adds), _ARGS_PER_COMMAND):
-            pipe.sadd(self._owned, *adds[i : i + _ARGS_PER_COMMAND])
-        for i in range(0, len(removes), _ARGS_PER_COMMAND):
-            pipe.srem(self._owned, *removes[i : i + _ARGS_PER_COMMAND])
-        # The set outlives the records it lists (and only those) if nobody sweeps it.
-        pipe.expire(self._owned, RECORD_TTL_S + max(1, round(self.heartbeat_ttl_s)))
+        """Refresh the heartbeat and list the open sets the index lacks: one script."""
+        sent_at = self._clock()
+        regs = self.registrations
+        listed, full = regs.to_send(sent_at, self.heartbeat_ttl_s, self.call_timeout_s)
+        args: list[Any] = [
+            self.processor_id,
+            max(1, round(self.heartbeat_ttl_s * 1000)),
+            # The index outlives the records it lists if nobody sweeps it.
+            RECORD_TTL_S + max(1, round(self.heartbeat_ttl_s)),
+            *listed,
+        ]
         try:
             async with asyncio.timeout(self.call_timeout_s):
-                replies = await pipe.execute()
+                existed = await self._beat(
+                    keys=[self._heartbeat, self._procs, self._registries], args=args
+                )
         except BaseException:
-            self.open.failed(adds)
             self._healthy_since = None
             raise
-        self.open.applied(adds, removes)
-        if self._beats and not replies[0]:
+        regs.sent(listed, full, sent_at, self.heartbeat_ttl_s)
+        if self._beats and not existed:
             # Peers may have taken this processor for dead and settled its open records.
             self.metrics.heartbeat_lapses_total += 1
             log.warning("heartbeat_lapsed", processor=self.processor_id)
@@ -294,14 +361,14 @@ class Liveness:
         return since is not None and self._clock() - since >= self.heartbeat_ttl_s
 
     async def sweep(self) -> int:
-        """One pass: settle the registered records of processors whose heartbeat is gone.
+        """One pass: settle the open records of processors whose heartbeat is gone.
 
         Returns how many records this pass settled (``already settled`` ones not counted).
         Does nothing until ``may_sweep``.
         """
         if not self.may_sweep:
             return 0
-        ids = sorted(set(await self._client.smembers(self._index)) - {self.processor_id})
+        ids = sorted(set(await self._client.smembers(self._procs)) - {self.processor_id})
         if not ids:
             return 0
         pipe = self._client.pipeline(transaction=False)
@@ -319,10 +386,11 @@ class Liveness:
         return settled
 
     async def _reconcile(self, pid: str, budget: int) -> tuple[int, int]:
-        """Settle a dead processor's owner set, batch by batch: (records settled, keys taken)."""
-        owned = keys.owned_key(pid, self.prefix)
+        """Settle a dead processor's open sets, batch by batch: (records settled, keys taken)."""
         heartbeat = keys.heartbeat_key(pid, self.prefix)
+        index = keys.registries_key(pid, self.prefix)
         settled = taken = 0
+        emptied: list[str] = []
         gate = asyncio.Semaphore(SWEEP_CONCURRENCY)
 
         async def settle(key: str) -> str:
@@ -330,30 +398,40 @@ class Liveness:
                 status, _ = await self.backend.settle_orphan(key, pid)
                 return status
 
-        while taken < budget:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.exists(heartbeat)  # it may have been only slow: never settle a live one
-            pipe.srandmember(owned, min(SWEEP_BATCH, budget - taken))
-            live, members = await pipe.execute()
-            if live:
-                break
-            if not members:
-                # Nothing left: drop it from the index (a live one re-adds itself each beat).
-                await self._client.srem(self._index, pid)
-                break
-            statuses = await asyncio.gather(*(settle(k) for k in members))
-            now_settled = statuses.count("settled")
-            settled += now_settled
-            self.metrics.orphan_settlements_total += now_settled
-            await self._client.srem(owned, *members)
-            taken += len(members)
+        for open_set in sorted(await self._client.smembers(index)):
+            try:
+                while taken < budget:
+                    members = await self._client.srandmember(
+                        open_set, min(SWEEP_BATCH, budget - taken)
+                    )
+                    if not members:
+                        emptied.append(open_set)  # dropped by forget.lua, if still dead
+                        break
+                    # Checked after the read: every record read was admitted while that
+                    # heartbeat lived, so if it is gone now, its owner is gone.
+                    if await self._client.exists(heartbeat):
+                        return settled, taken
+                    statuses = await asyncio.gather(*(settle(k) for k in members))
+                    now_settled = statuses.count("settled")
+                    settled += now_settled
+                    self.metrics.orphan_settlements_total += now_settled
+                    taken += len(members)
+            except (QuotaUnavailable, RedisError, OSError) as exc:
+                # That tenant's master is away: the others' records are settled all the same.
+                self._skipped(pid, open_set, exc)
+        await self._forget(keys=[heartbeat, self._procs, index], args=[pid, *emptied])
         if settled:
             log.warning("orphans_settled", processor=pid, records=settled)
         return settled, taken
 
+    def _skipped(self, pid: str, open_set: str, exc: BaseException) -> None:
+        self.metrics.liveness_errors_total += 1
+        log.warning("orphan_set_skipped", processor=pid, open_set=open_set, error=repr(exc))
+
     async def stop(self) -> None:
-        """Stop the tasks; register the last settlements; hand what is left to peers."""
+        """Stop the tasks; hand what is left open to peers, at once."""
         self._stopping.set()
+        self.registrations.send = None
         if self._tasks:
             # A step in flight finishes (each call is bounded); one that does not is cancelled.
             _, late = await asyncio.wait(self._tasks, timeout=self.call_timeout_s * 2)
@@ -361,14 +439,18 @@ class Liveness:
                 task.cancel()
         self._tasks = []
         try:
-            await self.beat()
-            pipe = self._client.pipeline(transaction=False)
-            pipe.delete(self._heartbeat)  # peers settle whatever is still open, at once
-            if not len(self.open):
-                pipe.delete(self._owned)
-                pipe.srem(self._index, self.processor_id)
-            async with asyncio.timeout(self.call_timeout_s):
-                await pipe.execute()
+            async with asyncio.timeout(self.call_timeout_s * 2):
+                await self._client.delete(self._heartbeat)  # peers settle what is still open
+                known = sorted(self.registrations.known | self.registrations.pending)
+                pipe = self._client.pipeline(transaction=False)
+                for open_set in known:
+                    pipe.exists(open_set)
+                left = await pipe.execute() if known else []
+                empty = [s for s, n in zip(known, left, strict=True) if not n]
+                await self._forget(
+                    keys=[self._heartbeat, self._procs, self._registries],
+                    args=[self.processor_id, *empty],
+                )
         except Exception as exc:
             log.warning("liveness_stop_failed", error=repr(exc))
 
@@ -380,7 +462,7 @@ def start_liveness(
     heartbeat_ttl_s: float = HEARTBEAT_TTL_S,
     sweep_interval_s: float = SWEEP_INTERVAL_S,
 ) -> Liveness | None:
-    """Start heartbeat, registration and sweep for a Redis backend; None for memory://."""
+    """Start heartbeat, index and sweep for a Redis backend; None for memory://."""
     target = find_orphan_backend(backend)
     if target is None:
         return None

@@ -27,11 +27,13 @@ charges nothing and replies the server's time: the offset is corrected and the c
 (``WINDOW_RETRIES``). Windows still come from the server's clock.
 
 Ownership. Each backend instance is one processor identity (``owner_id``): admit.lua stores
-it in every admitted record (one more ARGV, no extra call). Once ``track_open_reservations``
-is on (``extproc.quota.orphans`` turns it on), admissions and settlements also update an
-in-process set of open keys, which a background task registers in Redis; the hot path
-itself gains no round trip. ``settle_orphan`` is the peer's side: it settles a dead
-owner's record with ``used`` = what it had reserved.
+it in every admitted record and adds the record to the owner's open set in the tenant's
+slot (``keys.open_set_key``), settle.lua takes it out: the same script calls, no extra
+round trip. With ``registrations`` set (``extproc.quota.orphans`` sets it), an admission
+first makes sure the processor's index in ``{~p}`` lists that open set: a set lookup, and
+one round trip the first time a tenant is seen (and after a heartbeat lapse), so a peer
+finds every open record of a dead processor. ``settle_orphan`` is the peer's side: it
+settles a dead owner's record with ``used`` = what it had reserved.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, RedisError,
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from extproc.quota import keys as keynames
 from extproc.quota import windows
 from extproc.quota.base import (
     RECORD_TTL_S,
@@ -75,9 +78,8 @@ from extproc.quota.keys import (
     RESERVATION_KEY_PATTERN,
     WINDOW_KEY_PATTERN,
     open_count_key,
-    usage_stream_key,
 )
-from extproc.quota.orphans import OpenReservations
+from extproc.quota.orphans import Registrations
 from extproc.quota.resp import RespConnection, Script, ScriptRunner
 
 T = TypeVar("T")
@@ -239,8 +241,9 @@ class RedisQuotaBackend:
         self._command_timeout_s = command_timeout_s
         self.owner_id = owner_id or new_owner_id()
         self.settled_ttl_s = settled_ttl_s
-        # Set by ``track_open_reservations``; None: nothing is tracked (no cost at all).
-        self.open_reservations: OpenReservations | None = None
+        # Set by ``extproc.quota.orphans.Liveness``; None: no index is kept (no cost at all).
+        self.registrations: Registrations | None = None
+        self._owner_part = keynames.encode_name(self.owner_id)
         self._admit = Script(self.script_source("admit.lua"))
         self._reserve = Script(self.script_source("reserve.lua"))
         self.ledger = ledger if ledger is not None else LedgerSettings()  # builds _settle
@@ -342,15 +345,14 @@ class RedisQuotaBackend:
         return f"local {names} = {values}\n" + load_lua(name)
 
     @property
+    def command_timeout_s(self) -> float | None:
+        """The bound of each script call (None: only the socket and pool timeouts)."""
+        return self._command_timeout_s
+
+    @property
     def client(self) -> aioredis.Redis:
         """The client the scripts run on (the orphan reconciler's own calls share it)."""
         return self._client
-
-    def track_open_reservations(self) -> OpenReservations:
-        """Keep the set of reservation keys this processor holds open (idempotent)."""
-        if self.open_reservations is None:
-            self.open_reservations = OpenReservations()
-        return self.open_reservations
 
     def shard_of(self, key: str) -> str:
         """The server that serves ``key`` now (``""``: the only one)."""
@@ -399,7 +401,12 @@ class RedisQuotaBackend:
         counters = request.request_counters + request.token_counters
         tags = request.usage or _NO_TAGS
         key = request.reservation_key
-        open_key = open_count_key(key)
+        tenant = keynames.tenant_part(key)
+        open_key = tenant + ":open"
+        owned_key = tenant + ":own:" + self._owner_part
+        registrations = self.registrations
+        if registrations is not None and not registrations.fresh(owned_key):
+            await registrations.ensure(owned_key)  # before the charge a peer must find
         now_s = math.floor(time.time() + self.clock_offset_s)
         for attempt in range(WINDOW_RETRIES + 1):
             keys = [key]
@@ -421,7 +428,7 @@ class RedisQuotaBackend:
                 keys.append(counter_key)
                 args += (c.kind, c.limit, shape, a, b, c.weights[0], c.weights[1])
                 args.append(1 if c.shadow else 0)
-            keys.append(open_key)
+            keys += (open_key, owned_key)
             reply = await self._call("admit", self._scripts.run_script(self._admit, keys, args))
             replayed, verdict, reply_s, reply_us, cancelled, retry_soon, wrong = reply
             now = self.learn_clock(reply_s, reply_us)
@@ -433,11 +440,7 @@ class RedisQuotaBackend:
                 raise WrongWindow(f"quota admit: window keys kept missing the server's {now}")
         if retry_soon:
             return Verdict(admitted=False, retry_soon=True)
-        parsed = _parse_verdict(verdict, now, replayed=bool(replayed), cancelled=bool(cancelled))
-        if parsed.admitted and self.open_reservations is not None:
-            # Every admitted record is settled (RPM-only ones too: the ledger records them).
-            self.open_reservations.opened(key)
-        return parsed
+        return _parse_verdict(verdict, now, replayed=bool(replayed), cancelled=bool(cancelled))
 
     async def reserve(
         self,
@@ -506,20 +509,22 @@ class RedisQuotaBackend:
         reply = await self._call("settle", self._scripts.run_script(self._settle, keys, args))
         if reply[0] == 4:
             reply = await self._settle_retry("settle", reservation_key, token_counters, head, reply)
-        self._closed(reservation_key)
         return _settlement(reply[0], reply[1])
 
     def _settle_request(
         self, reservation_key: str, token_counters: tuple[Counter, ...], head: list[Any], now_s: int
     ) -> tuple[list[str], list[Any]]:
-        """settle.lua's KEYS and ARGV for the windows current at ``now_s``."""
+        """settle.lua's KEYS and ARGV for the windows current at ``now_s``; the open set is
+        that of the owner in ``head`` (this processor's, or a dead one's for an orphan)."""
+        tenant = keynames.tenant_part(reservation_key)
         keys = [reservation_key]
         args = head.copy()
         for c in token_counters:
             counter_key, shape, a, b = windows.script_window(c, now_s)
             keys.append(counter_key)
             args += (shape, a, b, *c.weights)
-        keys += (open_count_key(reservation_key), usage_stream_key(reservation_key))
+        owner = self._owner_part if head[3] == self.owner_id else keynames.encode_name(head[3])
+        keys += (tenant + ":open", tenant + ":usage", tenant + ":own:" + owner)
         return keys, args
 
     async def _settle_retry(
@@ -562,10 +567,6 @@ class RedisQuotaBackend:
             )
         return reply[0], reply[1]
 
-    def _closed(self, reservation_key: str) -> None:
-        if self.open_reservations is not None:
-            self.open_reservations.closed(reservation_key)
-
     async def cancel(
         self,
         reservation_key: str,
@@ -576,7 +577,6 @@ class RedisQuotaBackend:
         already, summary = await self._run_settle(
             "cancel", reservation_key, token_counters, 0, _MODE_CANCEL, tombstone_ttl_s, "cancelled"
         )
-        self._closed(reservation_key)
         return _settlement(already, summary)
 
     async def settle_orphan(
@@ -588,7 +588,8 @@ class RedisQuotaBackend:
         it had leased, so less would under-charge. Idempotent: a record already settled (by
         its owner before it died, or by another peer) is left alone. Only ``owner_id``'s
         admitted record is touched; one script on the tenant's slot, no counter keys. Its
-        ledger entry says ``orphaned``.
+        ledger entry says ``orphaned``. Whatever the status, the key leaves ``owner_id``'s
+        open set.
         """
         if not owner_id:
             raise ValueError("owner_id must be non-empty")

@@ -20,9 +20,12 @@ each call's own shard.
 ``on_backend_failure: open``; the policy resolver sets it to ``limit × fail_open_fraction``,
 rounded up) is admitted, when Redis cannot answer, from an in-process ``MemoryQuotaBackend``
 whose limits are those allowances: each processor serves at most that share of every limit
-per window on its own clock. The verdict carries no counter states (the real remaining
-budget is unknown, so no ``x-ratelimit-*`` headers). A request the allowance cannot cover
-raises ``QuotaUnavailable`` (the client gets 503 ``quota_unavailable``, as on a closed plan).
+per window on its own clock. The workers of one ``serve --workers N`` are one processor
+here: each takes ``⌈allowance / N⌉`` (``fail_open_workers``), so the host serves the
+allowance, not N times it (one more per worker at most, from rounding up). The verdict
+carries no counter states (the real remaining budget is unknown, so no ``x-ratelimit-*``
+headers). A request the allowance cannot cover raises ``QuotaUnavailable`` (the client gets
+503 ``quota_unavailable``, as on a closed plan).
 A reservation admitted locally stays local to its end (its leases too). A stream admitted
 by Redis whose lease batch Redis cannot answer gets that batch from the local allowance
 instead of being cut; a closed plan's lease raises, and the meter cuts the stream.
@@ -49,6 +52,13 @@ them whenever the breaker is closed, so they go in as soon as Redis returns, wit
 without traffic. A full queue drops the new entry (counted, logged as an error): a dropped
 settlement leaves its reservation charged as leased, a dropped absorb under-charges.
 ``flush`` waits for the queue to empty (shutdown); ``close`` logs what is left.
+
+The queue lives in this process only. What it still holds when the process dies (or
+stops with Redis still away) is not lost from the books: a queued settlement or cancel
+belongs to a record that is still open in Redis, in this processor's open set
+(``admit.lua``), and a live peer settles it at what it reserved once this processor's
+heartbeat is gone (``extproc.quota.orphans``): billed as charged. Queued absorbs (what was
+served from the allowance) die with the process.
 """
 
 from __future__ import annotations
@@ -112,6 +122,7 @@ class Resilience:
     failures: int = 5
     probe_interval_s: float = 0.5
     queue_max: int = 100_000
+    fail_open_workers: int = 1  # worker processes sharing the host's fail-open allowance
 
 
 class CircuitOpen(QuotaUnavailable):
@@ -123,12 +134,10 @@ def absorb_key(reservation_key: str) -> str:
     return reservation_key + ":absorb"
 
 
-def _local(counters: tuple[Counter, ...]) -> tuple[Counter, ...]:
-    """The counters with this processor's allowance as their limits."""
+def _local(counters: tuple[Counter, ...], workers: int = 1) -> tuple[Counter, ...]:
+    """The counters with this process's share of the host's allowance as their limits."""
     return tuple(
-        Counter(
-            c.kind, c.key, c.fail_open_limit if c.fail_open_limit is not None else 0, c.window_s
-        )
+        Counter(c.kind, c.key, -(-(c.fail_open_limit or 0) // workers), c.window_s)
         for c in counters
     )
 
@@ -193,9 +202,14 @@ class ResilientQuotaBackend:
         queue_max: int = 100_000,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.time,
+        fail_open_workers: int = 1,
     ) -> None:
-        if failures < 1 or probe_interval_s <= 0 or queue_max < 1:
-            raise ValueError("need failures >= 1, probe_interval_s > 0 and queue_max >= 1")
+        if failures < 1 or probe_interval_s <= 0 or queue_max < 1 or fail_open_workers < 1:
+            raise ValueError(
+                "need failures >= 1, probe_interval_s > 0, queue_max >= 1 and "
+                "fail_open_workers >= 1"
+            )
+        self.fail_open_workers = fail_open_workers
         self.primary = primary
         self.metrics = metrics if metrics is not None else Metrics()
         self.failures = failures
@@ -341,8 +355,8 @@ class ResilientQuotaBackend:
         verdict = await self.local.admit(
             AdmitRequest(
                 key,
-                _local(request.request_counters),
-                _local(request.token_counters),
+                _local(request.request_counters, self.fail_open_workers),
+                _local(request.token_counters, self.fail_open_workers),
                 request.tokens,
                 count_refused_attempts=False,
                 record_ttl_s=request.record_ttl_s,
@@ -425,7 +439,7 @@ class ResilientQuotaBackend:
         amount: int,
         minimum: int,
     ) -> Grant:
-        counters = _local(token_counters)
+        counters = _local(token_counters, self.fail_open_workers)
         if not tracked.local_record:
             tracked.local_record = True
             await self.local.admit(AdmitRequest(key, (), counters, 0, count_refused_attempts=False))
@@ -462,7 +476,10 @@ class ResilientQuotaBackend:
         used_remote = 0 if tracked.local else min(used, tracked.redis_reserved)
         used_local = used - used_remote
         local = await self.local.settle(
-            reservation_key, _local(token_counters), used_local, reason=reason
+            reservation_key,
+            _local(token_counters, self.fail_open_workers),
+            used_local,
+            reason=reason,
         )
         # The ledger's split: the prompt came first, so Redis's part holds it first.
         remote_output = local_output = None
@@ -540,7 +557,7 @@ class ResilientQuotaBackend:
             return await self.settle(reservation_key, token_counters, 0)
         if tracked is not None and tracked.local_record:
             del self._tracked[reservation_key]
-            await self.local.cancel(reservation_key, _local(token_counters))
+            await self.local.cancel(reservation_key, _local(token_counters, self.fail_open_workers))
         try:
             return await self._guarded(
                 reservation_key,

@@ -28,6 +28,7 @@ from extproc.quota.base import QuotaMisconfigured, QuotaUnavailable
 from extproc.runtime import Runtime
 from extproc.transport.service import ExternalProcessorService
 from extproc.transport.tls import RotatingCredentials
+from extproc.transport.workers import WorkerRole, beat_supervisor
 
 log = structlog.get_logger("extproc.server")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -58,11 +59,13 @@ async def serve(
     config_path: str | None = None,
     overrides: dict[str, Any] | None = None,
     config_poll_s: float = DEFAULT_POLL_S,
+    role: WorkerRole | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT. With ``config_path`` (the file ``config`` was loaded from,
     with ``overrides``), SIGHUP and every change of its content seen by a poll each
-    ``config_poll_s`` (0: no poll) reload it."""
-    runtime = Runtime(config)
+    ``config_poll_s`` (0: no poll) reload it. ``role``: a worker of ``serve --workers N``
+    (its share of the fail-open allowance, its beats to the supervisor)."""
+    runtime = Runtime(config, fail_open_workers=role.count if role is not None else 1)
     runtime.warm_up()
     # Tokenizer vocabularies are hundreds of thousands of long-lived objects: keep the cyclic
     # GC from rescanning them, and collect young objects less often (measured: the
@@ -101,6 +104,9 @@ async def serve(
     pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # /metrics first: it answers before the first stream is taken (once the gRPC port
+    # listens, the kernel hands this process connections and the loop serves them first).
+    metrics_runner = await _metrics_app(runtime, metrics_listen) if metrics_listen else None
     if config.tls is None:
         port = server.add_insecure_port(config.listen)
     else:
@@ -122,7 +128,7 @@ async def serve(
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    metrics_runner = await _metrics_app(runtime, metrics_listen) if metrics_listen else None
+    beats = loop.create_task(beat_supervisor(role)) if role is not None else None
     log.info(
         "serving",
         listen=config.listen,
@@ -172,6 +178,8 @@ async def serve(
     if metrics_runner is not None:
         await metrics_runner.cleanup()
     await runtime.close()
+    if beats is not None:
+        beats.cancel()
     log.info(
         "stopped",
         admitted=runtime.metrics.admitted_total,

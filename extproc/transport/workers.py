@@ -32,11 +32,26 @@ while nobody asked it to is started again (logged), after a delay that doubles w
 death of a worker that had not yet run ``STABLE_S`` — and after ``MAX_QUICK_DEATHS`` such
 deaths in a row the supervisor stops the others and exits 1 (a worker crashing at start
 never spins). A clean stop exits 0.
+
+A hung worker is replaced too. Each worker's event loop writes a byte to a pipe of its own
+every ``beat_interval(timeout)`` once it serves (``beat_supervisor``); a worker whose pipe
+stays silent ``--worker-timeout-s`` (10 s; SIGSTOPped, its loop blocked, deadlocked) or
+that does not serve within ``START_TIMEOUT_S`` is SIGKILLed (logged ``worker_hung``) and
+restarted like a dead one. Its clients' streams are cut (a hung loop answers nothing); its
+open records are settled by a live peer from Redis (``extproc.quota.orphans``: within
+``heartbeat_ttl_s`` + ``orphan_sweep_s`` of its last heartbeat, which stopped with its loop).
+
+Each worker knows its index and the number of workers (``WorkerRole``): its log records
+carry ``"worker": i``, and it takes ``1/N`` of each fail-open allowance
+(``fail_open_fraction`` is per ``serve`` process, i.e. per host, whatever N).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -54,6 +69,37 @@ MAX_RESTART_DELAY_S = 8.0
 MAX_QUICK_DEATHS = 5  # in a row, for one worker: 0.5 + 1 + 2 + 4 + 8 s of trying
 TICK_S = 0.1  # how often the supervisor looks at its workers
 PR_SET_PDEATHSIG = 1
+WORKER_TIMEOUT_S = 10.0  # a serving worker silent this long is hung
+START_TIMEOUT_S = 120.0  # a worker not serving after this long is hung (tokenizers load first)
+
+
+def beat_interval(timeout_s: float) -> float:
+    """Ten beats per timeout, at most one a second: a few late ones never look hung."""
+    return min(1.0, timeout_s / 10)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRole:
+    """What a worker is told by its supervisor (hidden ``serve`` options)."""
+
+    index: int
+    count: int
+    beat_fd: int | None = None  # the pipe to write beats to (None: nobody watches)
+    beat_interval_s: float = 1.0
+
+
+async def beat_supervisor(role: WorkerRole) -> None:
+    """Write one byte per interval to the supervisor's pipe, from the event loop: a loop that
+    stops turning (SIGSTOP, a blocking call, a deadlock) stops the beats."""
+    fd = role.beat_fd
+    if fd is None:
+        return
+    os.set_blocking(fd, False)
+    while True:
+        # Full (the supervisor is behind) or closed (it is gone): nothing to do either way.
+        with contextlib.suppress(BlockingIOError, BrokenPipeError):
+            os.write(fd, b".")
+        await asyncio.sleep(role.beat_interval_s)
 
 
 def _port(address: str) -> int | None:
@@ -90,12 +136,22 @@ def refusal(workers: int, listen: str, redis_url: str, metrics: str | None) -> s
     return None
 
 
-def worker_argv(argv: list[str], index: int, listen: str, metrics: str | None) -> list[str]:
-    """The serve command line of worker ``index``: the shared gRPC port, its metrics port."""
+def worker_argv(argv: list[str], role: WorkerRole, listen: str, metrics: str | None) -> list[str]:
+    """The serve command line of a worker: the shared gRPC port, its metrics port, its role."""
     out = [sys.executable, "-m", "extproc", "serve", *argv, "--workers", "1"]
-    out += ["--listen", listen]
+    out += [
+        "--listen",
+        listen,
+        "--worker-index",
+        str(role.index),
+        "--worker-count",
+        str(role.count),
+    ]
+    if role.beat_fd is not None:
+        out += ["--worker-beat-fd", str(role.beat_fd)]
+        out += ["--worker-beat-interval-s", str(role.beat_interval_s)]
     if metrics:
-        out += ["--metrics-listen", _shift(metrics, index)]
+        out += ["--metrics-listen", _shift(metrics, role.index)]
     return out
 
 
@@ -111,19 +167,74 @@ def _die_with_parent() -> None:
 @dataclass
 class _Slot:
     index: int
-    argv: list[str]
+    count: int
+    argv: list[str]  # the shared serve options
+    listen: str
+    metrics: str | None
+    timeout_s: float  # 0: no hang detection
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     quick_deaths: int = 0
     restart_at: float | None = None  # None: start at the next look
+    beats: int | None = None  # the read end of this worker's beat pipe
+    beat_at: float | None = None  # the last beat seen (None: not serving yet)
+    killed_hung: bool = False  # the last death was ours: it had gone silent
 
     def start(self) -> None:
+        self.close_pipe()
+        write_end = None
+        if self.timeout_s > 0:
+            self.beats, write_end = os.pipe()
+            os.set_blocking(self.beats, False)
+        role = WorkerRole(self.index, self.count, write_end, beat_interval(self.timeout_s or 10))
+        argv = worker_argv(self.argv, role, self.listen, self.metrics)
         # Its own process group: a terminal's Ctrl-C reaches the supervisor only, which
         # passes it on once (a worker still starting, with no handler yet, dies of it —
         # holding no stream).
-        self.proc = subprocess.Popen(self.argv, process_group=0, preexec_fn=_die_with_parent)
+        try:
+            self.proc = subprocess.Popen(
+                argv,
+                process_group=0,
+                preexec_fn=_die_with_parent,
+                pass_fds=() if write_end is None else (write_end,),
+            )
+        finally:
+            if write_end is not None:
+                os.close(write_end)  # the worker holds it now
         self.started_at = time.monotonic()
+        self.beat_at = None
+        self.killed_hung = False
         log.info("worker_started", worker=self.index, pid=self.proc.pid)
+
+    def close_pipe(self) -> None:
+        if self.beats is not None:
+            os.close(self.beats)
+            self.beats = None
+
+    def check_beats(self, now: float) -> None:
+        """Take the beats the worker wrote; SIGKILL it when it has gone silent too long."""
+        if self.beats is None or self.proc is None or self.killed_hung:
+            return
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.beats, 4096):
+                self.beat_at = now
+        if self.beat_at is None:
+            silent, limit = now - self.started_at, max(START_TIMEOUT_S, self.timeout_s)
+        else:
+            silent, limit = now - self.beat_at, self.timeout_s
+        if silent <= limit:
+            return
+        log.error(
+            "worker_hung",
+            worker=self.index,
+            pid=self.proc.pid,
+            silent_s=round(silent, 1),
+            serving=self.beat_at is not None,
+            detail="SIGKILL: its open records are settled by a peer",
+        )
+        self.killed_hung = True
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
 
 
 def _exit_code(code: int, forwarded: set[int]) -> int:
@@ -134,9 +245,16 @@ def _exit_code(code: int, forwarded: set[int]) -> int:
     return code if code >= 0 else 128 - code
 
 
-def supervise(argv: list[str], workers: int, listen: str, metrics: str | None) -> int:
-    """Run ``workers`` workers until told to stop (SIGTERM/SIGINT); the exit code."""
-    slots = [_Slot(i, worker_argv(argv, i, listen, metrics)) for i in range(workers)]
+def supervise(
+    argv: list[str],
+    workers: int,
+    listen: str,
+    metrics: str | None,
+    timeout_s: float = WORKER_TIMEOUT_S,
+) -> int:
+    """Run ``workers`` workers until told to stop (SIGTERM/SIGINT); the exit code.
+    ``timeout_s``: a serving worker silent that long is killed and replaced (0: never)."""
+    slots = [_Slot(i, workers, argv, listen, metrics, timeout_s) for i in range(workers)]
     received: list[int] = []  # signals not yet passed on
     forwarded: set[int] = set()
 
@@ -181,11 +299,13 @@ def supervise(argv: list[str], workers: int, listen: str, metrics: str | None) -
                     slot.start()
                     running += 1
                 continue
+            slot.check_beats(now)
             code = slot.proc.poll()
             if code is None:
                 running += 1
                 continue
             pid, slot.proc = slot.proc.pid, None
+            slot.close_pipe()
             if stopping or failed:  # failed: another worker gave up in this same pass
                 finals[slot.index] = _exit_code(code, forwarded)
                 continue
@@ -210,6 +330,7 @@ def supervise(argv: list[str], workers: int, listen: str, metrics: str | None) -
                 worker=slot.index,
                 pid=pid,
                 code=code,
+                hung=slot.killed_hung,
                 ran_s=round(lived, 1),
                 restart_in_s=delay,
             )

@@ -2,8 +2,8 @@
 
 Two processors share one Redis (``heartbeat_ttl_s: 3`` so the test is short) under a key
 prefix of their own (so no other test's processors are in their index); Envoy sends the
-stream to the first. Once the stream has leased past its admission and the processor has
-registered its reservation, the processor is killed. The client sees its connection
+stream to the first. Once the stream has leased past its admission (its record is in its
+owner's open set from the admission on), the processor is killed. The client sees its connection
 closed mid-body; the second processor (not behind Envoy) finds the dead heartbeat and
 settles the record with ``used`` = what was reserved: the counters keep exactly what was
 leased (never less than what reached the client), nothing is refunded, and the record is
@@ -89,7 +89,7 @@ def test_a_killed_processors_open_stream_is_settled_by_a_peer_at_what_it_had_lea
             state.update(record=record, owner=owner)
             return (
                 owner is not None
-                and redis_client.sismember(keys.owned_key(owner, PREFIX), record)
+                and redis_client.sismember(keys.open_set_key(record, owner), record)
                 and redis_client.hexists(record, "q2")  # two batches leased past admission
             )
 
@@ -138,7 +138,8 @@ def test_a_killed_processors_open_stream_is_settled_by_a_peer_at_what_it_had_lea
             lambda: not redis_client.sismember(keys.processor_index_key(PREFIX), owner),
             timeout_s=30,
         )
-        assert not redis_client.exists(keys.owned_key(owner, PREFIX))
+        assert not redis_client.exists(keys.registries_key(owner, PREFIX))
+        assert not redis_client.exists(keys.open_set_key(record, owner))
         print(
             f"\norphan reconcile: settled {delay:.2f}s after SIGKILL "
             f"(heartbeat_ttl_s={HEARTBEAT_TTL_S}, orphan_sweep_s=0.5); "

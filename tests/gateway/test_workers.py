@@ -101,21 +101,26 @@ class Workers:
                 os.kill(pid, signal.SIGKILL)
 
 
-def serve_argv(config: Path, port: int, metrics: int | None, workers: int = WORKERS) -> list[str]:
+def serve_argv(
+    config: Path, port: int, metrics: int | None, workers: int = WORKERS, *extra: str
+) -> list[str]:
     argv = [
         sys.executable, "-m", "extproc", "serve", "--config", str(config),
         "--listen", f"127.0.0.1:{port}", "--workers", str(workers),
-        "--drain-delay-s", "0", "--log-level", "info",
+        "--drain-delay-s", "0", "--log-level", "info", *extra,
     ]  # fmt: skip
     if metrics is not None:
         argv += ["--metrics-listen", f"127.0.0.1:{metrics}"]
     return argv
 
 
-def start_workers(config: Path, log_dir: Path) -> Workers:
+def start_workers(config: Path, log_dir: Path, *extra: str) -> Workers:
+    """``extra``: more ``serve`` options (e.g. ``--worker-timeout-s``)."""
     port, metrics = free_port(), free_port_run(WORKERS)
     process = ManagedProcess(
-        serve_argv(config, port, metrics), log_dir / f"workers-{port}.log", cwd=ROOT
+        serve_argv(config, port, metrics, WORKERS, *extra),
+        log_dir / f"workers-{port}.log",
+        cwd=ROOT,
     )
     workers = Workers(process, port, metrics)
     try:
@@ -328,3 +333,19 @@ def test_a_worker_that_dies_at_start_is_restarted_with_doubling_delays_then_give
     ]
     doubling = [FIRST_RESTART_DELAY_S * 2**n for n in range(MAX_QUICK_DEATHS)]
     assert delays == [min(MAX_RESTART_DELAY_S, d) for d in doubling]
+
+
+def test_every_log_record_of_a_worker_carries_its_index(stack: Stack) -> None:
+    records = [r for r in map(_record, stack.workers.process.log_text().splitlines()) if r]
+    serving = [r for r in records if r.get("event") == "serving"]
+    assert {r["worker"] for r in serving} == set(range(WORKERS))  # (a restart serves again)
+    # Every record but the supervisor's about all workers (workers_*) names its worker.
+    assert all("worker" in r for r in records if not r.get("event", "").startswith("workers_"))
+
+
+def test_a_negative_worker_timeout_is_refused(tmp_path: Path, redis_server: RedisServer) -> None:
+    config = write_processor_config(tmp_path / "quota.yaml", TENANTS, redis_url=redis_server.url)
+    argv = serve_argv(config, free_port(), None, WORKERS, "--worker-timeout-s", "-1")
+    code, text = exit_of(argv, tmp_path / "refused.log")
+    assert code == 2 and "--worker-timeout-s must be >= 0" in text, text
+    assert "worker_started" not in text

@@ -47,6 +47,10 @@ class Harness:
         """A tenant's usage ledger entries (``keys.usage_stream_key``), oldest first."""
         raise NotImplementedError
 
+    async def open_set(self, key: str) -> set[str]:
+        """Members of an owner's open set of a tenant (``keys.open_set_key``)."""
+        raise NotImplementedError
+
     async def total(self, counter: Counter) -> int:
         return sum((await self.windows(counter)).values())
 
@@ -81,6 +85,9 @@ class MemoryHarness(Harness):
     async def ledger(self, stream_key: str) -> list[tuple[str, dict[str, str]]]:
         return self.memory.ledger_entries(stream_key)
 
+    async def open_set(self, key: str) -> set[str]:
+        return self.memory.open_set(key)
+
     async def advance_to_next_window(self, window_s: int) -> int:
         start = (math.floor(self.clock.now) // window_s + 1) * window_s
         self.clock.now = start + 0.05
@@ -109,6 +116,9 @@ class RedisHarness(Harness):
 
     async def ledger(self, stream_key: str) -> list[tuple[str, dict[str, str]]]:
         return list(await self.plain.xrange(stream_key))
+
+    async def open_set(self, key: str) -> set[str]:
+        return set(await self.plain.smembers(key))
 
     async def advance_to_next_window(self, window_s: int) -> int:
         now = await self.now()

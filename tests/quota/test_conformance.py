@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import Protocol, cast
 
 import pytest
 
-from extproc.quota.base import AdmitRequest, Counter, CounterKind
-from extproc.quota.keys import counter_key, reservation_key
+from extproc.quota.base import AdmitRequest, Counter, CounterKind, Settlement
+from extproc.quota.keys import counter_key, open_set_key, reservation_key, usage_stream_key
 from extproc.quota.memory_backend import MemoryQuotaBackend
 from tests.quota.conftest import Harness
 
@@ -580,3 +581,112 @@ async def test_a_refused_lease_says_how_many_other_requests_of_the_tenant_are_op
     assert alone.granted == 0 and alone.others_open == 0  # nobody's lease can come back
     granted = await harness.backend.reserve(first.reservation_key, 1, (tpm,), 40)
     assert granted.granted == 40 and granted.others_open == 0
+
+
+# -- open sets and orphans: what a peer needs when a processor dies -------------------------
+
+
+class SettlesOrphans(Protocol):
+    owner_id: str
+
+    async def settle_orphan(
+        self, reservation_key: str, owner_id: str
+    ) -> tuple[str, Settlement | None]: ...
+
+
+def peer(harness: Harness) -> SettlesOrphans:
+    """The backend as a peer of the processor that admitted: both backends settle orphans."""
+    assert hasattr(harness.backend, "settle_orphan")
+    return cast(SettlesOrphans, harness.backend)
+
+
+def _owner(harness: Harness) -> str:
+    return peer(harness).owner_id
+
+
+async def test_an_admitted_record_is_in_its_owners_open_set_from_admission_to_settlement(
+    harness: Harness,
+) -> None:
+    await harness.ensure_room(HOUR, 5)
+    rpm, tpm = counter("rpm", 100), counter("tpm", 1000)
+    streamed, refused = admit_request(rpm, (tpm,), 100), admit_request(rpm, (tpm,), 5000)
+    rpm_only, tombstoned = admit_request(rpm, (), 0), admit_request(rpm, (tpm,), 10)
+    open_set = open_set_key(streamed.reservation_key, _owner(harness))
+    assert open_set == open_set_key(refused.reservation_key, _owner(harness))  # one per tenant
+    for request in (streamed, refused, rpm_only):
+        await harness.backend.admit(request)
+    assert (await harness.backend.admit(streamed)).replayed
+    await harness.backend.cancel(tombstoned.reservation_key, (tpm,))
+    assert (await harness.backend.admit(tombstoned)).cancelled
+    # Admitted ones only (RPM-only too: it gets a ledger entry), from the admission on.
+    assert await harness.open_set(open_set) == {streamed.reservation_key, rpm_only.reservation_key}
+
+    await harness.backend.settle(streamed.reservation_key, (tpm,), 40)
+    assert await harness.open_set(open_set) == {rpm_only.reservation_key}
+    await harness.backend.cancel(rpm_only.reservation_key, ())
+    assert await harness.open_set(open_set) == set()
+
+
+async def test_an_orphan_is_settled_once_at_what_it_reserved_and_leaves_the_open_set(
+    harness: Harness,
+) -> None:
+    await harness.ensure_room(HOUR, 5)
+    tpm = counter("tpm", 10_000)
+    owner = _owner(harness)
+    dead = admit_request(None, (tpm,), 100)
+    await harness.backend.admit(dead)
+    assert (await harness.backend.reserve(dead.reservation_key, 1, (tpm,), 32)).granted == 32
+    open_set = open_set_key(dead.reservation_key, owner)
+
+    assert (await peer(harness).settle_orphan(dead.reservation_key, "someone-else"))[0] == (
+        "not_owned"
+    )
+    assert await harness.open_set(open_set) == {dead.reservation_key}  # not its owner's
+    status, first = await peer(harness).settle_orphan(dead.reservation_key, owner)
+    assert status == "settled" and first is not None
+    assert (first.reserved, first.used, first.refunded) == (132, 132, 0)  # billed as charged
+    assert await harness.open_set(open_set) == set()
+    assert await harness.total(tpm) == 132
+    again, replay = await peer(harness).settle_orphan(dead.reservation_key, owner)
+    assert again == "already_settled" and replay is not None and replay.used == 132
+    late = await harness.backend.settle(dead.reservation_key, (tpm,), 10)  # the owner, late
+    assert late.already_settled and late.used == 132
+    assert (await harness.backend.reserve(dead.reservation_key, 2, (tpm,), 32)).granted == 0
+    assert await harness.total(tpm) == 132
+    [(_, entry)] = await harness.ledger(usage_stream_key(dead.reservation_key))
+    assert (entry["reason"], entry["reserved"], entry["used"], entry["refunded"]) == (
+        "orphaned", "132", "132", "0",
+    )  # fmt: skip
+    assert entry["windows"] == f"tpm:{HOUR}:{next(iter(await harness.windows(tpm)))}:132"
+    missing = admit_request(None, (tpm,), 1).reservation_key
+    assert (await peer(harness).settle_orphan(missing, owner))[0] == "no_record"
+
+
+async def test_an_owner_and_a_peer_settling_one_record_at_once_settle_it_once(
+    harness: Harness,
+) -> None:
+    await harness.ensure_room(HOUR, 10)
+    tpm = counter("tpm", 1_000_000)
+    owner = _owner(harness)
+    requests = [admit_request(None, (tpm,), 100) for _ in range(20)]
+    for request in requests:
+        await harness.backend.admit(request)
+    outcomes = await asyncio.gather(
+        *(
+            call
+            for i, r in enumerate(requests)
+            for call in (
+                harness.backend.settle(r.reservation_key, (tpm,), 30),
+                peer(harness).settle_orphan(r.reservation_key, owner),
+            )[:: 1 if i % 2 else -1]  # either one first
+        )
+    )
+    assert len(outcomes) == 40
+    entries = await harness.ledger(usage_stream_key(requests[0].reservation_key))
+    assert sorted(e["request_id"] for _, e in entries) == sorted(
+        r.reservation_key.rpartition(":r:")[2] for r in requests
+    )
+    # The counter holds exactly what the ledger says each one kept, whoever settled it.
+    kept = sum(int(e["windows"].rpartition(":")[2]) for _, e in entries)
+    assert await harness.total(tpm) == kept
+    assert await harness.open_set(open_set_key(requests[0].reservation_key, owner)) == set()

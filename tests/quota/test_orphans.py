@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -22,13 +23,17 @@ from extproc.quota import keys
 from extproc.quota.base import SETTLED_TTL_S, AdmitRequest, Counter
 from extproc.quota.orphans import (
     Liveness,
-    OpenReservations,
+    LuaScript,
+    Registrations,
+    beat_interval,
     find_orphan_backend,
-    register_interval,
+    settle_bound_s,
 )
 from extproc.quota.redis_backend import RedisQuotaBackend
+from extproc.quota.resp import RespConnection
 from extproc.runtime import Runtime
 from tests.quota.conftest import FakeClock
+from tests.support.procs import free_port
 from tests.support.redis_server import RedisServer
 
 TPM = Counter("tpm", keys.counter_key("acme", "tpm", "m", 3600), 1_000_000, 3600)
@@ -97,29 +102,36 @@ def command_calls(stats: dict[str, dict[str, int]]) -> dict[str, int]:
     return out
 
 
-async def test_admit_records_its_owner_and_stays_one_round_trip(
+async def test_admit_records_its_owner_in_the_tenants_open_set_in_one_round_trip(
     processors: tuple[RedisQuotaBackend, RedisQuotaBackend], plain_redis: aioredis.Redis
 ) -> None:
     a, _ = processors
-    a.track_open_reservations()
-    warm = new_key()  # loads both scripts and opens a connection
+    liveness(a, ttl_s=30)  # its registrations: the first admission in a tenant lists it
+    warm = new_key()  # loads the scripts, opens a connection, lists acme's open set
     await a.admit(admission(warm, tokens=0))
     await a.settle(warm, (TPM,), used=0)
     await plain_redis.config_resetstat()
     key = new_key()
     verdict = await a.admit(admission(key))
-    assert key in a.open_reservations  # type: ignore[operator]
-    await a.settle(key, (TPM,), used=50)
-
     sent = command_calls(await plain_redis.info("commandstats"))
-    # admit + settle: tracking adds no call (commandstats also counts what scripts run;
-    # a call of the client's own would be a pipeline, a SADD or a SET, which no script runs)
+    assert await plain_redis.smembers(keys.open_set_key(key, "proc-a")) == {key}
+    await plain_redis.config_resetstat()
+    await a.settle(key, (TPM,), used=50)
+    for command, calls in command_calls(await plain_redis.info("commandstats")).items():
+        sent[command] = sent.get(command, 0) + calls
+    assert not await plain_redis.exists(keys.open_set_key(key, "proc-a"))
+
+    # admit + settle, nothing else: the open set is written by the scripts themselves
+    # (commandstats also counts what scripts run; a beat would be one more EVALSHA and its
+    # EXISTS and SET, which neither admit nor settle runs).
     assert sent["evalsha"] == 2
-    assert not {"eval", "sadd", "set", "exists", "multi", "exec"} & sent.keys()
+    assert not {"eval", "set", "exists", "multi", "exec"} & sent.keys()
+    assert sent["sadd"] == 1 and sent["srem"] == 1
     assert verdict.admitted and await plain_redis.hget(key, "o") == "proc-a"
     refused = new_key()
     assert not (await a.admit(AdmitRequest(refused, (), (TPM,), 2_000_000))).admitted
     assert await plain_redis.hget(refused, "o") is None  # a refusal holds nothing
+    assert not await plain_redis.exists(keys.open_set_key(refused, "proc-a"))
 
 
 async def test_a_peer_settles_an_orphan_at_what_it_reserved_never_less(
@@ -167,60 +179,157 @@ async def test_an_orphan_settlement_leaves_other_owners_settled_and_missing_reco
     assert await charged(plain_redis) == 100 + 40
 
 
-async def test_registration_sends_opened_keys_and_removes_settled_ones(
+async def test_the_first_admission_in_a_tenant_lists_its_open_set_before_charging(
     processors: tuple[RedisQuotaBackend, RedisQuotaBackend], plain_redis: aioredis.Redis
 ) -> None:
     a, _ = processors
-    me = liveness(a, ttl_s=30)
-    owned = keys.owned_key("proc-a")
-    k1, k2, brief = new_key(), new_key(), new_key()
-    for key in (k1, k2, brief):
-        await a.admit(admission(key))
-    await a.settle(brief, (TPM,), used=10)  # admitted and settled between two beats
-    rpm_only = new_key()
-    await a.admit(AdmitRequest(rpm_only, (RPM,), (), 0))  # settled too: the ledger records it
-
+    me = liveness(a, ttl_s=30)  # never started: no beat but the ones admissions ask for
+    index = keys.registries_key("proc-a")
+    acme = keys.open_set_key(new_key(), "proc-a")
     await plain_redis.config_resetstat()
-    await me.beat()
-    stats = await plain_redis.info("commandstats")
-    # One pipeline: heartbeat (EXISTS + SET), index, owner set (SADD, EXPIRE).
-    assert command_calls(stats) == {"exists": 1, "set": 1, "sadd": 2, "expire": 1}
-    assert await plain_redis.smembers(owned) == {k1, k2, rpm_only}
+    await a.admit(admission(new_key()))
+    # One beat before the charge: heartbeat, the processor's id, the index lists acme's set.
+    assert await plain_redis.smembers(index) == {acme}
     assert await plain_redis.sismember(keys.processor_index_key(), "proc-a")
     assert 0 < await plain_redis.pttl(keys.heartbeat_key("proc-a")) <= 30_000
+    assert command_calls(await plain_redis.info("commandstats"))["evalsha"] == 2
+    for _ in range(3):
+        await a.admit(admission(new_key()))
+    assert command_calls(await plain_redis.info("commandstats"))["evalsha"] == 5  # no beat
+    other = keys.reservation_key("beta", "r-1")
+    await a.admit(AdmitRequest(other, (), (), 0))
+    assert await plain_redis.smembers(index) == {acme, keys.open_set_key(other, "proc-a")}
+    assert me.registrations.fresh(acme) and len(me.registrations.known) == 2
 
-    await a.settle(k1, (TPM,), used=10)
-    await a.settle(rpm_only, (), used=3)
-    await me.beat()
-    assert await plain_redis.smembers(owned) == {k2}
-    assert len(me.open) == 1 and k2 in me.open
+
+async def test_concurrent_first_admissions_of_a_tenant_share_one_beat(
+    processors: tuple[RedisQuotaBackend, RedisQuotaBackend], plain_redis: aioredis.Redis
+) -> None:
+    a, _ = processors
+    liveness(a, ttl_s=30)
+    await a.ping()
+    await plain_redis.config_resetstat()
+    await asyncio.gather(*(a.admit(admission(new_key())) for _ in range(20)))
+    stats = command_calls(await plain_redis.info("commandstats"))
+    assert stats["evalsha"] == 21 and stats["set"] == 1  # 20 admissions, one beat
 
 
-async def test_a_dead_processors_registered_reservations_are_settled_by_a_peer(
+async def test_a_failing_index_never_blocks_admissions_and_the_next_beat_lists_it(
+    redis_server: RedisServer, plain_redis: aioredis.Redis
+) -> None:
+    # The {~p} slot unreachable (here: the client the beats use points at no server) while
+    # the tenant's slot answers: the admission goes ahead, registered in its open set.
+    broken = aioredis.Redis(port=free_port(), decode_responses=True, socket_connect_timeout=1)
+    a = RedisQuotaBackend(broken, RespConnection.from_url(redis_server.url), owner_id="proc-a")
+    working = aioredis.Redis(port=redis_server.port, decode_responses=True)
+    try:
+        me = liveness(a, ttl_s=30)
+        beats: list[None] = []
+
+        async def counted() -> None:
+            beats.append(None)
+            await me.beat()
+
+        me.registrations.send = counted
+        key = new_key()
+        open_set = keys.open_set_key(key, "proc-a")
+        assert (await a.admit(admission(key))).admitted
+        assert await plain_redis.smembers(open_set) == {key}
+        assert me.registrations.pending == {open_set} and len(beats) == 1
+        assert (await a.admit(admission(new_key()))).admitted
+        assert len(beats) == 1  # quiet for a beat interval: admissions don't wait on it
+        # The index is reachable again: the next beat lists the open set.
+        me._client = working
+        me._beat = LuaScript(working, me._beat.script)
+        await me.beat()
+        assert await plain_redis.smembers(keys.registries_key("proc-a")) == {open_set}
+        assert me.registrations.pending == set() and me.registrations.fresh(open_set)
+    finally:
+        await a.close()
+        await working.aclose()
+
+
+async def test_an_admission_waits_for_a_hanging_index_no_longer_than_for_its_own_call(
+    redis_server: RedisServer, plain_redis: aioredis.Redis
+) -> None:
+    # The {~p} slot accepts connections and never answers (a master SIGSTOPped).
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    hanging = aioredis.Redis(port=silent.getsockname()[1], decode_responses=True)
+    scripts = RespConnection.from_url(redis_server.url)
+    a = RedisQuotaBackend(hanging, scripts, command_timeout_s=0.5, owner_id="proc-a")
+    try:
+        me = Liveness(a, Metrics(), heartbeat_ttl_s=120, call_timeout_s=60)
+        key = new_key()
+        assert (await a.admit(admission(key))).admitted
+        [beat] = me.registrations._inflight.values()
+        assert not beat.done()  # still waiting on {~p}: the admission went ahead
+        assert await plain_redis.smembers(keys.open_set_key(key, "proc-a")) == {key}
+        beat.cancel()
+    finally:
+        await a.close()
+        silent.close()
+
+
+async def test_every_open_record_of_a_dead_processor_is_settled_by_a_peer(
     processors: tuple[RedisQuotaBackend, RedisQuotaBackend], plain_redis: aioredis.Redis
 ) -> None:
     a, b = processors
-    dead = liveness(a, ttl_s=30)
+    liveness(a, ttl_s=30)
     streaming, finished = new_key(), new_key()
     await a.admit(admission(streaming, tokens=132))
     await a.reserve(streaming, 1, (TPM,), 32)
     await a.admit(admission(finished))
-    await dead.beat()  # both registered
-    await a.settle(finished, (TPM,), used=60)  # settled, but dies before the next beat
-    assert await charged(plain_redis) == 164 + 60
+    await a.settle(finished, (TPM,), used=60)
+    # Admitted the instant before it died, in another tenant too: no beat ran after them.
+    last = new_key()
+    await a.admit(admission(last, tokens=7))
+    elsewhere = keys.reservation_key("beta", "last")
+    await a.admit(AdmitRequest(elsewhere, (), (), 0))
+    assert await charged(plain_redis) == 164 + 60 + 7
 
     peer = await ready_sweeper(b)
     assert await peer.sweep() == 0  # its heartbeat is still there: alive
     assert await plain_redis.hget(streaming, "st") is None
     await die(plain_redis, "proc-a")
-    assert await peer.sweep() == 1
-    assert peer.metrics.orphan_settlements_total == 1
+    assert await peer.sweep() == 3
+    assert peer.metrics.orphan_settlements_total == 3
 
     assert await plain_redis.hget(streaming, "st") == "164,164"
-    assert await charged(plain_redis) == 164 + 60  # the orphan keeps its whole reservation
-    assert not await plain_redis.exists(keys.owned_key("proc-a"))
+    assert await plain_redis.hget(last, "st") == "7,7"
+    assert await plain_redis.hget(elsewhere, "orphan") == "1"
+    assert await charged(plain_redis) == 164 + 60 + 7  # orphans keep their whole reservation
+    assert not await plain_redis.exists(keys.registries_key("proc-a"))
+    assert not await plain_redis.exists(keys.open_set_key(last, "proc-a"))
     assert not await plain_redis.sismember(keys.processor_index_key(), "proc-a")
-    assert await peer.sweep() == 0 and peer.metrics.orphan_settlements_total == 1
+    assert await peer.sweep() == 0 and peer.metrics.orphan_settlements_total == 3
+    reasons = [f["reason"] for _, f in await plain_redis.xrange(keys.usage_stream_key(last))]
+    assert sorted(reasons) == ["completed", "orphaned", "orphaned"]
+
+
+async def test_a_sweep_racing_the_owners_own_settlements_settles_each_record_once(
+    processors: tuple[RedisQuotaBackend, RedisQuotaBackend], plain_redis: aioredis.Redis
+) -> None:
+    # The owner was only slow (its heartbeat lapsed): it settles while a peer sweeps it.
+    a, b = processors
+    liveness(a, ttl_s=30)
+    opened = [new_key() for _ in range(60)]
+    for key in opened:
+        await a.admit(admission(key, tokens=100))
+    peer = await ready_sweeper(b)
+    await die(plain_redis, "proc-a")
+    swept, *settlements = await asyncio.gather(
+        peer.sweep(), *(a.settle(key, (TPM,), used=40) for key in opened)
+    )
+    by_owner = [s for s in settlements if not s.already_settled]
+    assert swept + len(by_owner) == len(opened)
+    entries = await plain_redis.xrange(keys.usage_stream_key(opened[0]))
+    assert len(entries) == len({f["request_id"] for _, f in entries}) == len(opened)
+    reasons = [f["reason"] for _, f in entries]
+    assert reasons.count("orphaned") == swept and reasons.count("completed") == len(by_owner)
+    kept = sum(int(f["windows"].rpartition(":")[2]) for _, f in entries)
+    assert await charged(plain_redis) == kept == swept * 100 + len(by_owner) * 40
 
 
 async def test_no_sweep_before_the_sweepers_own_beats_have_run_for_a_ttl(
@@ -253,17 +362,54 @@ async def test_no_sweep_before_the_sweepers_own_beats_have_run_for_a_ttl(
     assert await peer.sweep() == 1
 
 
-async def test_a_lapsed_heartbeat_is_counted(
+async def test_a_lapsed_processor_is_counted_and_lists_its_open_sets_again(
     processors: tuple[RedisQuotaBackend, RedisQuotaBackend], plain_redis: aioredis.Redis
 ) -> None:
-    a, _ = processors
-    me = liveness(a, ttl_s=30)
-    await me.beat()
+    a, b = processors
+    clock = FakeClock(5000.0)
+    me = liveness(a, ttl_s=30, clock=clock)
+    key = new_key()
+    await a.admit(admission(key))
     await me.beat()
     assert me.metrics.heartbeat_lapses_total == 0
-    await plain_redis.delete(keys.heartbeat_key("proc-a"))  # as if it had expired
-    await me.beat()
+    # Taken for dead (it stalled a TTL): a peer settles its record and drops its index.
+    await die(plain_redis, "proc-a")
+    peer = await ready_sweeper(b)
+    assert await peer.sweep() == 1
+    assert not await plain_redis.exists(keys.registries_key("proc-a"))
+    clock.now += 31
+    # Back: its next admission lists its open set again before charging (its heartbeat may
+    # have lapsed, so what it knew may be gone), and that beat counts the lapse.
+    again = new_key()
+    assert not me.registrations.fresh(keys.open_set_key(again, "proc-a"))
+    await a.admit(admission(again))
     assert me.metrics.heartbeat_lapses_total == 1
+    assert await plain_redis.smembers(keys.registries_key("proc-a")) == {
+        keys.open_set_key(again, "proc-a")
+    }
+    assert (await a.settle(key, (TPM,), used=10)).already_settled  # the peer's stands
+
+
+async def test_a_sweeper_never_drops_the_index_of_a_processor_whose_heartbeat_is_back(
+    processors: tuple[RedisQuotaBackend, RedisQuotaBackend], plain_redis: aioredis.Redis
+) -> None:
+    a, b = processors
+    me = liveness(a, ttl_s=30)
+    key = new_key()
+    await a.admit(admission(key))
+    await a.settle(key, (TPM,), used=1)  # its open set is empty now
+    peer = await ready_sweeper(b)
+    index = keys.registries_key("proc-a")
+    forget = [keys.heartbeat_key("proc-a"), keys.processor_index_key(), index]
+    empty = keys.open_set_key(key, "proc-a")
+    assert await peer._forget(keys=forget, args=["proc-a", empty]) == -1
+    assert await plain_redis.scard(index) == 1  # alive: nothing dropped
+    await die(plain_redis, "proc-a")
+    assert await peer.sweep() == 0  # nothing open; its empty set and itself are dropped
+    assert not await plain_redis.exists(index)
+    assert not await plain_redis.sismember(keys.processor_index_key(), "proc-a")
+    await me.beat()  # it was alive after all: it lists itself again
+    assert await plain_redis.sismember(keys.processor_index_key(), "proc-a")
 
 
 async def test_a_graceful_stop_hands_what_is_still_open_to_peers_at_once(
@@ -278,10 +424,16 @@ async def test_a_graceful_stop_hands_what_is_still_open_to_peers_at_once(
     await a.admit(admission(left_open))
     await a.admit(admission(done))
     await a.settle(done, (TPM,), used=5)
+    elsewhere = keys.reservation_key("beta", "done")
+    await a.admit(AdmitRequest(elsewhere, (), (), 0))
+    await a.settle(elsewhere, (), used=0)
     await me.stop()  # a drain that timed out left one request open
 
     assert not await plain_redis.exists(keys.heartbeat_key("proc-a"))
-    assert await plain_redis.smembers(keys.owned_key("proc-a")) == {left_open}
+    # The emptied set leaves the index; the one still open stays there for the peers.
+    assert await plain_redis.smembers(keys.registries_key("proc-a")) == {
+        keys.open_set_key(left_open, "proc-a")
+    }
     peer = await ready_sweeper(b)
     assert await peer.sweep() == 1
     assert await plain_redis.hget(left_open, "st") == "100,100"
@@ -295,35 +447,34 @@ async def test_a_graceful_stop_hands_what_is_still_open_to_peers_at_once(
         await c.settle(key, (TPM,), used=5)
         await clean.stop()  # nothing open: it leaves nothing behind
         assert not await plain_redis.exists(keys.heartbeat_key(c.owner_id))
-        assert not await plain_redis.exists(keys.owned_key(c.owner_id))
+        assert not await plain_redis.exists(keys.registries_key(c.owner_id))
         assert not await plain_redis.sismember(keys.processor_index_key(), c.owner_id)
     finally:
         await c.close()
 
 
-def test_open_reservations_unregister_what_settles_while_its_registration_is_sent() -> None:
+def test_registrations_are_fresh_only_while_the_heartbeat_that_listed_them_lives() -> None:
     clock = FakeClock(0.0)
-    tracked = OpenReservations(clock=clock, max_age_s=100)
-    tracked.opened("k1")
-    tracked.opened("k2")
-    adds, removes = tracked.changes()
-    assert sorted(adds) == ["k1", "k2"] and removes == []
-    tracked.closed("k1")  # settled while the pipeline was on the wire
-    tracked.applied(adds, removes)
-    assert tracked.changes() == ([], ["k1"])
-    tracked.applied([], ["k1"])
-    assert tracked.changes() == ([], [])
-
-    tracked.opened("k3")
-    adds, _ = tracked.changes()
-    tracked.closed("k3")
-    tracked.failed(adds)  # it may have been added: remove it to be sure
-    assert tracked.changes() == ([], ["k3"])
-
-    clock.now = 200  # k2 has been open longer than a record lives: its record is gone
-    adds, removes = tracked.changes()
-    assert adds == [] and sorted(removes) == ["k2", "k3"]
-    assert len(tracked) == 0
+    regs = Registrations(clock=clock)
+    assert not regs.fresh("s1")
+    regs.pending.add("s1")
+    listed, full = regs.to_send(0.0, ttl_s=30, margin_s=2)
+    assert listed == ["s1"] and full  # never beaten: everything
+    regs.sent(listed, full, sent_at=0.0, ttl_s=30)
+    assert regs.fresh("s1") and not regs.fresh("s2")
+    regs.pending.add("s2")
+    clock.now = 10
+    assert regs.to_send(10.0, ttl_s=30, margin_s=2) == (["s2"], False)
+    regs.sent(["s2"], False, sent_at=10.0, ttl_s=30)
+    clock.now = 29
+    assert regs.fresh("s1") and regs.to_send(29.0, ttl_s=30, margin_s=2) == ([], False)
+    # Once per TTL everything again, even when healthy (a failover may have lost a write).
+    assert regs.to_send(30.0, ttl_s=30, margin_s=2) == (["s1", "s2"], True)
+    regs.sent(["s1", "s2"], True, sent_at=30.0, ttl_s=30)
+    # A beat that may land after the heartbeat of the last one expired: everything again.
+    assert regs.to_send(58.5, ttl_s=30, margin_s=2) == (["s1", "s2"], True)
+    clock.now = 60.0
+    assert not regs.fresh("s1")  # the heartbeat may have lapsed: ensure() lists it again
 
 
 def test_processor_keys_share_one_hash_tag_no_tenant_can_have() -> None:
@@ -335,14 +486,18 @@ def test_processor_keys_share_one_hash_tag_no_tenant_can_have() -> None:
     processor_keys = [
         keys.processor_index_key(),
         keys.heartbeat_key("host-1-abc"),
-        keys.owned_key("host:1 {x}"),
+        keys.registries_key("host:1 {x}"),
     ]
     assert {tag(k) for k in processor_keys} == {"~p"}
     assert tag(keys.reservation_key("~p", "r")) == "%7Ep"
-    assert keys.owned_key("host:1 {x}").count("{") == 1
+    assert keys.registries_key("host:1 {x}").count("{") == 1
+    # A tenant's open set is in the tenant's slot, whatever the processor id holds.
+    record = keys.reservation_key("acme", "r-1")
+    assert keys.open_set_key(record, "host:1 {x}") == "tq:{acme}:own:host%3A1%20%7Bx%7D"
     with pytest.raises(ValueError):
         keys.heartbeat_key("")
-    assert register_interval(30) == 2.0 and register_interval(2) == 0.5
+    assert beat_interval(30) == 2.0 and beat_interval(2) == 0.5
+    assert settle_bound_s(30, 10) == 42.0
 
 
 async def test_the_runtime_runs_liveness_for_redis_and_stops_it_on_close(

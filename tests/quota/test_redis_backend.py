@@ -140,7 +140,8 @@ async def test_database_index_in_the_url_selects_the_database(
         await backend.close()
     db3 = aioredis.Redis(port=redis_server.port, db=3, decode_responses=True)
     try:
-        assert len(await db3.keys("*")) == 3  # counter, record, the open count
+        # counter, record, the open count, the processor's open set of the tenant
+        assert len(await db3.keys("*")) == 4
         assert await plain.keys("*") == []
     finally:
         await db3.flushdb()

@@ -17,11 +17,14 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from extproc.metrics import Metrics
 from extproc.quota.base import AdmitRequest, Counter, LedgerSettings, UsageTags
-from extproc.quota.keys import counter_key, reservation_key, usage_stream_key
+from extproc.quota.keys import counter_key, heartbeat_key, reservation_key, usage_stream_key
+from extproc.quota.orphans import Liveness, LuaScript
 from extproc.quota.redis_backend import RedisQuotaBackend, load_lua
 from extproc.quota.resilient import ResilientQuotaBackend, _Op, absorb_key
 from extproc.quota.resp import Script
+from tests.quota.conftest import FakeClock
 from tests.support.redis_server import RedisServer
 
 # Shadows the global ``redis`` for the script below it: every command's keys must be in
@@ -310,3 +313,34 @@ async def test_sliding_calendar_weighted_and_shadow_counters_touch_only_declared
     await backend.settle(shaped("s3").reservation_key, SHAPES, 80)
     stream = await plain.xrange(usage_stream_key(shaped("s1").reservation_key))
     assert [f["reason"] for _, f in stream] == ["completed", "cancelled", "completed"]
+
+
+async def test_the_liveness_scripts_touch_only_declared_keys(
+    backend: RedisQuotaBackend, plain: aioredis.Redis, redis_server: RedisServer
+) -> None:
+    """beat.lua and forget.lua (the {~p} slot), and the open sets admit.lua and settle.lua
+    keep in the tenant's slot, through a processor's life and a peer's sweep of it."""
+
+    def strict_liveness(b: RedisQuotaBackend, clock: FakeClock) -> Liveness:
+        live = Liveness(b, Metrics(), heartbeat_ttl_s=30, clock=clock)
+        live._beat = LuaScript(b.client, STRICT + live._beat.script)
+        live._forget = LuaScript(b.client, STRICT + live._forget.script)
+        return live
+
+    clock = FakeClock(0.0)
+    dying = strict_liveness(backend, clock)
+    assert (await backend.admit(admission("open"))).admitted  # the beat that lists acme
+    assert (await backend.admit(admission("done"))).admitted
+    await backend.settle(admission("done").reservation_key, TOKENS, 10)
+    await dying.beat()
+    peer_backend = strict(RedisQuotaBackend.from_url(redis_server.url, owner_id="proc-b"))
+    try:
+        peer = strict_liveness(peer_backend, clock)
+        await peer.beat()
+        clock.now += 30
+        await plain.delete(heartbeat_key("proc-a"))
+        assert await peer.sweep() == 1  # SRANDMEMBER, settle (orphan mode), forget
+        await peer.stop()  # DEL heartbeat, EXISTS of its sets, forget
+    finally:
+        await peer_backend.close()
+    assert await plain.keys("*:{~p}:*") == []

@@ -248,19 +248,24 @@ async def test_a_dead_processors_open_records_are_settled_by_a_peer_on_a_cluster
     b = backend_from_url(shared_cluster.url, command_timeout_s=DEADLINE_S, owner_id="proc-b")
     assert isinstance(a, RedisQuotaBackend) and isinstance(b, RedisQuotaBackend)
     try:
+        # Never beats on its own: each first admission in a tenant lists its open set, and
+        # the records are in the open sets from their admission on.
         dying = Liveness(a, Metrics(), prefix=prefix, heartbeat_ttl_s=30, sweep_interval_s=60)
         opened: list[tuple[str, Counter]] = []
-        for tenants in tenants_on_masters(shared_cluster, per_master=1).values():
-            counter = Counter(
-                "daily", keys.counter_key(tenants[0], "daily", None, WINDOW_S, prefix), 10**9,
-                WINDOW_S,
-            )  # fmt: skip
-            key = keys.reservation_key(tenants[0], "open", prefix)
-            assert (await a.admit(AdmitRequest(key, (), (counter,), 64))).admitted
-            opened.append((key, counter))
-        await dying.beat()  # registers the three open keys (tenants on three masters)
-        owned = keys.owned_key("proc-a", prefix)
-        assert await a.client.scard(owned) == 3
+        for tenants in tenants_on_masters(shared_cluster, per_master=2).values():
+            for tenant in tenants:
+                counter = Counter(
+                    "daily", keys.counter_key(tenant, "daily", None, WINDOW_S, prefix), 10**9,
+                    WINDOW_S,
+                )  # fmt: skip
+                for n in range(3):
+                    key = keys.reservation_key(tenant, f"open-{n}", prefix)
+                    assert (await a.admit(AdmitRequest(key, (), (counter,), 64))).admitted
+                    opened.append((key, counter))
+        index = keys.registries_key("proc-a", prefix)
+        assert len(dying.registrations.known) == 6 and await a.client.scard(index) == 6
+        for key, _ in opened:
+            assert await a.client.sismember(keys.open_set_key(key, "proc-a"), key)
         await a.client.delete(keys.heartbeat_key("proc-a", prefix))  # its TTL ran out
 
         clock = FakeClock(1000.0)
@@ -269,9 +274,10 @@ async def test_a_dead_processors_open_records_are_settled_by_a_peer_on_a_cluster
         )
         await peer.beat()
         clock.now += 30
-        assert await peer.sweep() == 3
-        assert await b.client.exists(owned) == 0
+        assert await peer.sweep() == len(opened) == 18
+        assert await b.client.exists(index) == 0
         for key, counter in opened:
+            assert await b.client.exists(keys.open_set_key(key, "proc-a")) == 0
             again = await b.settle(key, (counter,), 0)
             assert again.already_settled and again.used == 64  # settled at what it reserved
         await peer.stop()
@@ -348,6 +354,54 @@ async def test_a_slot_moved_to_another_master_is_followed_through_ask_and_moved(
     assert total_on(b, counter) == 90 and total_on(a, counter) == 0
     assert (await cluster_backend.admit(AdmitRequest(refused, (), (twin_counter,), 30))).admitted
     assert total_on(b, twin_counter) == 30
+
+
+async def test_a_sweep_settles_the_orphans_of_the_masters_that_answer_while_one_is_gone(
+    cluster: RedisClusterSet,
+) -> None:
+    # One slot range gone for good (its master and its replica killed; the others keep
+    # serving): the sweep settles what the other masters hold and keeps the rest listed.
+    for node in cluster.live_nodes():
+        node.client().config_set("cluster-require-full-coverage", "no")
+    prefix = f"gone{next(_ids)}"
+    a = backend_from_url(cluster.url, command_timeout_s=DEADLINE_S, owner_id="proc-a")
+    b = backend_from_url(cluster.url, command_timeout_s=DEADLINE_S, owner_id="proc-b")
+    assert isinstance(a, RedisQuotaBackend) and isinstance(b, RedisQuotaBackend)
+    try:
+        Liveness(a, Metrics(), prefix=prefix, heartbeat_ttl_s=30, sweep_interval_s=60)
+        by_master = tenants_on_masters(cluster, per_master=1)
+        index_master = cluster.master_of(keys.registries_key("proc-a", prefix))
+        victim = next(port for port in by_master if port != index_master)
+        lost: list[str] = []
+        for port, tenants in by_master.items():
+            counter = Counter(
+                "daily", keys.counter_key(tenants[0], "daily", None, WINDOW_S, prefix), 10**9,
+                WINDOW_S,
+            )  # fmt: skip
+            for n in range(2):
+                key = keys.reservation_key(tenants[0], f"open-{n}", prefix)
+                assert (await a.admit(AdmitRequest(key, (), (counter,), 64))).admitted
+                if port == victim:
+                    lost.append(key)
+        await a.client.delete(keys.heartbeat_key("proc-a", prefix))  # its TTL ran out
+        clock = FakeClock(1000.0)
+        peer = Liveness(
+            b, Metrics(), prefix=prefix, heartbeat_ttl_s=30, sweep_interval_s=60, clock=clock
+        )
+        await peer.beat()  # (redis-py's cluster client learns the slots while all answer)
+        replica = cluster.topology()[victim][0]
+        cluster.node(victim).kill()
+        cluster.node(replica).kill()
+        clock.now += 30
+        assert await peer.sweep() == 4  # two masters' records; the gone one's are skipped
+        assert peer.metrics.liveness_errors_total >= 1
+        # Still listed, and so is the processor: a later sweep takes them once they answer.
+        left = await b.client.smembers(keys.registries_key("proc-a", prefix))
+        assert left == {keys.open_set_key(lost[0], "proc-a")}
+        assert await b.client.sismember(keys.processor_index_key(prefix), "proc-a")
+    finally:
+        await a.close()
+        await b.close()
 
 
 # -- failover under load -----------------------------------------------------------------

@@ -4,6 +4,7 @@
 -- KEYS[2..n+1] each counter's key (counters.lua): request counters first, then token
 --              counters
 -- KEYS[n+2]    the tenant's count of admitted, unsettled requests (incremented on admission)
+-- KEYS[n+3]    the tenant's set of records the owner (ARGV[6]) holds open (keys.open_set_key)
 -- ARGV         n_request, n_token, tokens, count_refused (1|0), record_ttl_s, owner,
 --              soft (1|0), plan, model, client_request_id, prompt_tokens, then kind, limit,
 --              shape (f|s), a, b, input weight, output weight, shadow (1|0) per counter
@@ -33,7 +34,9 @@
 -- a peer reconciling the open reservations of a processor that died settles only that
 -- processor's records (settle.lua, orphan mode), and what the usage ledger needs from the
 -- admission (plan, model, client request id, prompt tokens, TIME in µs; the tenant is the
--- key's hash tag).
+-- key's hash tag). The record's key joins the owner's open set in the tenant's slot in the
+-- same step: a charge is never made that a peer cannot find once its owner is dead. The set
+-- lives as long as the newest record it lists; settle.lua takes the key out.
 --
 -- Soft mode: refused by a token counter that the request could fit in (tokens <= limit)
 -- while other requests of the tenant are open (KEYS[n+2] > 0), the admission charges and
@@ -63,6 +66,7 @@ local owner = ARGV[6]
 local soft = ARGV[7] == '1'
 local prompt = math.min(tonumber(ARGV[11]), tokens)
 local open_key = KEYS[n + 2]
+local owned_key = KEYS[n + 3]
 
 local cs, costs, limits, kinds, shadows = {}, {}, {}, {}, {}
 for i = 1, n do
@@ -125,6 +129,10 @@ if admitted then
   if owner ~= '' then
     record[#record + 1] = 'o'
     record[#record + 1] = owner
+    redis.call('SADD', owned_key, rkey)
+    if redis.call('TTL', owned_key) < record_ttl then
+      redis.call('EXPIRE', owned_key, record_ttl)
+    end
   end
   redis.call('INCR', open_key)
   redis.call('EXPIRE', open_key, record_ttl)

@@ -5,6 +5,7 @@
 -- KEYS[2..n+1] each token counter's key (counters.lua)
 -- KEYS[n+2]    the tenant's count of admitted, unsettled requests (decremented here)
 -- KEYS[n+3]    the tenant's usage ledger (a Stream)
+-- KEYS[n+4]    the tenant's set of records the owner (ARGV owner) holds open
 -- ARGV         used, mode (0 settle | 1 cancel | 2 orphan), tombstone_ttl_s, owner,
 --              reason, output_tokens (-1: not given), cached_tokens, then shape (f|s), a,
 --              b, input, output and cached input weights per counter
@@ -37,6 +38,11 @@
 -- A settled record (settle and orphan modes) then lives at most settled_ttl_s: long enough
 -- for the owner's own retries of settle to be answered from it.
 --
+-- Every answer but wrong window takes the record's key out of the owner's open set
+-- (admit.lua put it there): once settled, or found settled, or not the owner's, a peer has
+-- nothing left to do with it. The settled flag ('st') makes the settlement itself exactly
+-- once, whoever comes first: the owner, or a peer that took it for dead.
+--
 -- Ledger: one entry per record settled here (never on a replay, a refusal or a tombstone),
 -- with 'windows' = per window the request was charged in, "kind:window_s:start:net", net
 -- being what that window keeps of this request: summed over the ledger, a window's net is
@@ -50,22 +56,28 @@ local cancel = mode == '1'
 local orphan = mode == '2'
 local tombstone_ttl = tonumber(ARGV[3])
 local owner = ARGV[4]
-local n = #KEYS - 3
+local n = #KEYS - 4
 local open_key = KEYS[n + 2]
+local owned_key = KEYS[n + 4]
+
+local function done(reply)
+  redis.call('SREM', owned_key, rkey)
+  return reply
+end
 
 local flat = redis.call('HGETALL', rkey)
 local rec = {}
 for i = 1, #flat, 2 do rec[flat[i]] = flat[i + 1] end
 
 if rec['st'] then
-  return {1, rec['st']}
+  return done({1, rec['st']})
 end
 if orphan then
   if not rec['v'] or string.sub(rec['v'], 1, 1) ~= '1' then
-    return {2, ''}
+    return done({2, ''})
   end
   if rec['o'] ~= owner then
-    return {3, ''}
+    return done({3, ''})
   end
   used = tonumber(rec['res'] or '0')
 end
@@ -80,7 +92,7 @@ if not rec['v'] or string.sub(rec['v'], 1, 1) ~= '1' then
       redis.call('EXPIRE', rkey, tombstone_ttl)
     end
   end
-  return {0, summary}
+  return done({0, summary})
 end
 
 local cs = {}
@@ -182,4 +194,4 @@ if LEDGER then
     redis.call('XTRIM', stream, 'MINID', '~', string.format('%d', id_ms - RETENTION_MS))
   end
 end
-return {0, summary}
+return done({0, summary})
