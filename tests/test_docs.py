@@ -3,6 +3,7 @@
 * every field the loader accepts has a row in docs/configuration.md (and no row names a
   field it refuses), each default that the normal form shows is the one documented, and
   every field a reload refuses is marked "restart";
+* every flag of `extproc serve` is named there too;
 * every metric family the processor exports is a row of docs/observability.md, with its
   type and labels (and no row names a family it does not export);
 * every example configuration loads through the loader `extproc check-config` uses: the
@@ -27,6 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
+from extproc import cli
 from extproc.config import limits as limits_module
 from extproc.config import load_config, loader, parse_config
 from extproc.config import ratelimit as ratelimit_module
@@ -239,6 +241,14 @@ def test_every_field_a_reload_refuses_is_marked_restart() -> None:
     for name in restart:
         reload = rows.get(name, {}).get("reload", "(no row)")
         assert reload.startswith("restart"), f"{name} needs a restart, documented {reload!r}"
+
+
+def test_every_flag_of_extproc_serve_is_documented(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", capsys.readouterr().out)) - {"--help"}
+    documented = set(re.findall(r"`(--[a-z][a-z-]+)", CONFIGURATION.read_text()))
+    assert flags and not flags - documented, f"undocumented: {sorted(flags - documented)}"
 
 
 # -- metrics ------------------------------------------------------------------------------
