@@ -254,7 +254,7 @@ KEYS: dict[str, KeySpec] = {
         _as_str,
         help=f"'{COMPAT_LLMD_V0_10_2}': answer as llm-d-inference-sim v0.10.2 does on the wire "
         "(its dummy tokenizer, stock sentences, chunk shape, n, tools, logprobs; see "
-        "simulator_profiles/README.md); unset: llmsim's own behaviour",
+        "docs/simulator.md); unset: llmsim's own behaviour",
     ),
     "ext-tokenizer": _key(
         "ext_tokenizer", _as_optional_str, help="o200k_base, cl100k_base or a .model path"

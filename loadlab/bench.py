@@ -62,7 +62,7 @@ def _csv(kind: type, key: str) -> Any:
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="extproc bench",
-        description="Streaming-latency benchmark runs (README: 'Benchmark runs'); "
+        description="Streaming-latency benchmark runs (docs/benchmarking.md); "
         "'extproc bench compare A B' puts two results folders side by side.",
     )
     p.add_argument("scenario", nargs="?", type=Path, help="scenario YAML (default: built-in)")

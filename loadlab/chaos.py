@@ -5,7 +5,7 @@ integrity report, one row per invariant.
     extproc chaos [SCENARIO.yaml] [--out DIR] [--quiet] [--duration-s S] [--rate R]
 
 Exit status: 0 every invariant held, 1 one failed (or a part failed), 2 a bad scenario or
-flag, 130 interrupted. README: "Chaos runs: extproc chaos".
+flag, 130 interrupted. docs/benchmarking.md, "extproc chaos".
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ TAMPERS = ("counter", "ledger")
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="extproc chaos",
-        description="Chaos runs with an integrity report (README: 'Chaos runs: extproc chaos').",
+        description="Chaos runs with an integrity report (docs/benchmarking.md).",
     )
     p.add_argument(
         "scenario",

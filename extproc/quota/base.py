@@ -2,9 +2,11 @@
 
 Semantics shared by all backends (the conformance suite in tests/quota proves them):
 
-* Every counter is an epoch-aligned fixed window (like envoyproxy/ratelimit): the window
-  of a charge starts at ``now - now % window_s``, where ``now`` is the backend's clock
-  (Redis ``TIME`` for Redis, never the processor's clock).
+* Every counter has a window (``WindowSpec``): ``fixed`` is epoch-aligned (like
+  envoyproxy/ratelimit: a charge's window starts at ``now - now % window_s``), ``calendar``
+  the local day, week or month in its zone, ``sliding`` the last ``window_s`` in buckets of
+  ``bucket_s``; ``now`` is the backend's clock (Redis ``TIME`` for Redis, never the
+  processor's clock).
 * ``admit`` checks and charges, all or none, 1 request on every ``request_counters`` entry
   and ``tokens`` on every ``token_counters`` entry. In mode ``count_refused_attempts`` the
   request counters are charged even when the verdict is a refusal (token counters never
@@ -194,7 +196,7 @@ class Counter:
 
     Windows (``windows.bounds``): ``fixed`` is epoch-aligned ``window_s``; ``calendar`` the
     local ``period`` (day, week, month) in ``timezone``; ``sliding`` counts every charge of
-    the last ``window_s`` (in whole buckets: exact as an upper bound, see README).
+    the last ``window_s`` (in whole buckets: exact as an upper bound, see docs/quota-semantics.md).
 
     A token counter charges ``weights`` = (per input token, per output token, per cached
     input token): (1, 1, 1) is total tokens, (1, 0, 1) input only, (0, 1, 0) output only,

@@ -4,5 +4,5 @@ Written from a reading of the real simulator's source at that tag (no code or te
 its dummy tokenizer and chat prompt rendering (``tokenizer``), its random answers
 (``answers``), request parsing and validation (``request``), random tool calls (``tools``),
 response and chunk shapes (``wire``) and the request life cycle (``frontend``).
-Differences kept on purpose are listed in ``simulator_profiles/README.md``.
+Differences kept on purpose are listed in ``docs/simulator.md``.
 """

@@ -1,6 +1,6 @@
-"""The README's roll-out example: an enforced limit and a shadow one of the same metric and
-window load, and count on keys of their own; the shadow one never changes what the enforced
-one charges or reports. (End to end: tests/gateway/test_upstream_integrity.py.)"""
+"""The roll-out example of docs/limits.md: an enforced limit and a shadow one of the same
+metric and window load, and count on keys of their own; the shadow one never changes what
+the enforced one charges or reports. (End to end: tests/gateway/test_upstream_integrity.py.)"""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def readme_rollout_example() -> dict[str, Any]:
-    """The README's YAML example with the rule 'being rolled out', as it is printed."""
-    readme = (ROOT / "README.md").read_text()
+    """The docs' YAML example with the rule 'being rolled out', as it is printed."""
+    page = (ROOT / "docs" / "limits.md").read_text()
     block = next(
-        b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "being rolled out" in b
+        b for b in re.findall(r"```yaml[^\n]*\n(.*?)```", page, re.S) if "being rolled out" in b
     )
     return yaml.safe_load(block)
 

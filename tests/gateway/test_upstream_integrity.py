@@ -91,7 +91,7 @@ TENANTS: dict[str, dict[str, Any]] = {
     "completions-limit": ROOMY,
     "error-event": ROOMY,
     "close-after-done": ROOMY,
-    # The README's roll-out example: an enforced limit and a shadow one of the same window.
+    # docs/limits.md's roll-out example: an enforced limit and a shadow one of the same window.
     "rollout": {
         "window_s": WINDOW_S,
         "limits": {
