@@ -2,8 +2,8 @@
 
 Go's ``encoding/json`` (llm-d-inference-sim v0.10.2 and many Go servers and proxies) reads a
 key as a field ignoring case, and the last key for a field wins; its v2 ``nocase`` matching
-ignores ``_`` and ``-`` too. ``GoView`` below reads a body that way, written from those rules
-(not from the processor's code), and the tests hold what the processor forwards against it.
+ignores ``_`` and ``-`` too. ``tests.support.go_json.GoView`` reads a body that way, written
+from those rules (not from the processor's code); the tests hold the forwarded body to it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from extproc.admission.errors import ApiError
 from extproc.admission.field_names import fold
 from extproc.admission.request import ModelRequest, parse_model_request
 from extproc.config import Config, parse_config
+from tests.support.go_json import GO_ASCII_RUNES, GoView
 
 CONFIG: Config = parse_config(
     {
@@ -45,38 +46,6 @@ def refusal(body: dict[str, Any] | bytes, endpoint: str = "chat") -> ApiError:
 
 
 # --- how Go reads field names -------------------------------------------------------------
-
-# Runes whose simple case mappings lead to an ASCII letter: Go's fold (ToUpper(ToLower(r)))
-# makes them that letter. Found by going through Unicode, not listed by hand.
-GO_ASCII_RUNES: dict[str, str] = {}
-for _cp in range(0x80, 0x110000):
-    _c = chr(_cp)
-    _lower = _c.lower()[:1]  # the simple mapping is the first rune of the full one here
-    _upper = (_lower if _lower != _c else _c).upper()
-    if len(_upper) == 1 and _upper.isascii() and _upper.isalpha():
-        GO_ASCII_RUNES[_c] = _upper
-
-
-def go_fold(key: str, nocase_v2: bool) -> str:
-    out = "".join(GO_ASCII_RUNES.get(c, c.upper() if c.isascii() else c) for c in key)
-    return out.replace("_", "").replace("-", "") if nocase_v2 else out
-
-
-class GoView:
-    """A JSON document as a Go struct decoder sees its fields: every key of every object kept
-    in order; a field's value is the last key that folds to its name."""
-
-    def __init__(self, raw: bytes, nocase_v2: bool = False) -> None:
-        self.doc = json.loads(raw, object_pairs_hook=list)
-        self.nocase_v2 = nocase_v2
-
-    def field(self, pairs: Any, name: str) -> Any:
-        want = go_fold(name, self.nocase_v2)
-        found = None
-        for key, value in pairs:
-            if go_fold(key, self.nocase_v2) == want:
-                found = value
-        return found
 
 
 def test_go_folds_exactly_four_non_ascii_runes_to_ascii_letters_and_so_does_the_gateway() -> None:
