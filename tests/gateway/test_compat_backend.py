@@ -38,6 +38,7 @@ import redis
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
 from tests.gateway.conftest import WINDOW_S, tenant_key, write_processor_config
+from tests.support.client_view import as_metered
 from tests.support.client_view import delivered as client_delivered
 from tests.support.gateway import Gateway, http_get, start_gateway, wait_until
 from tests.support.quota_views import counter_total, ledger, ledger_net
@@ -154,6 +155,7 @@ class Figures:
     billed_prompt: int
     billed_output: int
     delivered: int  # what the client received, per choice and field, in o200k tokens
+    metered: int  # the same counted as the meter does: never going down as it streams
 
     @property
     def authority(self) -> str:
@@ -169,8 +171,8 @@ def floor_of(count: int) -> int:
 def policy_bill(f: Figures) -> tuple[int, int]:
     """(prompt, output) the policy bills: docs/billing.md, "Who is authoritative"."""
     if f.server_prompt is None or f.server_completion is None:
-        return f.estimate_prompt, f.delivered  # no usage: our own counts
-    ours = (f.estimate_prompt, f.delivered)
+        return f.estimate_prompt, f.metered  # no usage: our own counts
+    ours = (f.estimate_prompt, f.metered)
     if f.authority == "upstream":
         ours = (floor_of(ours[0]), floor_of(ours[1]))
     return max(f.server_prompt, ours[0]), max(f.server_completion, ours[1])
@@ -209,6 +211,7 @@ def run(
         billed_prompt=int(entry["prompt_tokens"]),
         billed_output=int(entry["output_tokens"]),
         delivered=client_delivered(result.body),
+        metered=as_metered(result.body),
     )
     return result, figures
 
@@ -218,6 +221,7 @@ def assert_billed_by_the_policy(f: Figures, sim: ModeSimulator) -> None:
     ``meter`` model, ``ceil(0.85 ×)`` of it on an ``upstream`` one), and above the server's
     figure only up to that floor. On the exact backend all three figures agree."""
     assert (f.billed_prompt, f.billed_output) == policy_bill(f), f
+    assert f.metered >= f.delivered, f
     floor = (f.estimate_prompt, f.delivered)
     if f.authority == "upstream":
         floor = (floor_of(floor[0]), floor_of(floor[1]))
@@ -239,7 +243,7 @@ def assert_ledger_is_counters(client: redis.Redis, tenant: str, requests: int) -
 def report(figures: list[Figures], title: str) -> None:
     print(f"\n{title}: billed vs upstream usage vs delivered (o200k of the client's text)")
     head = ("request", "authority", "estimate", "up.prompt", "up.compl", "b.prompt",
-            "b.output", "delivered")  # fmt: skip
+            "b.output", "delivered", "metered")  # fmt: skip
     print("  ".join(f"{h:>10}" for h in head))
     for f in figures:
         row = (
@@ -251,6 +255,7 @@ def report(figures: list[Figures], title: str) -> None:
             f.billed_prompt,
             f.billed_output,
             f.delivered,
+            f.metered,
         )
         print("  ".join(f"{v!s:>10}" for v in row))
     for authority in ("meter", "upstream"):
