@@ -28,7 +28,13 @@ from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_pr
 from tests.support.client_view import as_metered
 from tests.support.gateway import Gateway, http_get, start_gateway, wait_until
 from tests.support.redis_server import RedisServer
-from tests.support.simulator import ModeSimulator, Simulator, simulator_fixture
+from tests.support.simulator import (
+    ModeSimulator,
+    ModeTenants,
+    Simulator,
+    max_event_tokens,
+    simulator_fixture,
+)
 from tests.support.sse_client import StreamResult, stream_http1, stream_http2
 
 MODELS = {
@@ -81,13 +87,8 @@ slow_simulator = simulator_fixture("--inter-token-latency", "4ms")
 
 
 @dataclass(frozen=True)
-class Tenants:
+class Tenants(ModeTenants):
     """The module's tenants on one mode's gateway (the session's Redis is shared)."""
-
-    mode: str
-
-    def name(self, short: str) -> str:
-        return f"{self.mode}-{short}"
 
     def key(self, short: str) -> str:
         return tenant_key(self.name(short))
@@ -111,7 +112,7 @@ def gateway(
     workdir = tmp_path_factory.mktemp(f"streaming-{tenants.mode}")
     config = write_processor_config(
         workdir / "quota.yaml",
-        {tenants.name(name): plan for name, plan in TENANTS.items()},
+        tenants.names(TENANTS),
         redis_url=redis_server.url,
         models=MODELS,
         stream_idle_timeout_s=2,
@@ -177,17 +178,20 @@ def test_within_budget_the_client_gets_the_models_stream_minus_the_forced_usage_
 
 def assert_output_is_the_budget(
     result: StreamResult, request: dict[str, Any], tenants: Tenants, budget: int = 300
-) -> None:
+) -> int:
     """The output the meter counts (docs/billing.md: per text, never going down) is what the
-    budget left after the prompt. On the exact backend each event is one whole token, so it
-    is the client's own count; the compat one's pieces ("Today ") may merge later into fewer
-    tokens than were counted as they streamed (not refunded)."""
+    budget left after the prompt, but for less than one event: the one that would not fit
+    is not sent. On the exact backend an event is one whole token, so that is the budget to
+    the token and the client's own count; the compat one's pieces ("Today ") can cost more,
+    and can merge later into fewer tokens than were counted as they streamed."""
     metered = as_metered(result.body)
-    assert metered == budget - prompt_tokens(request)
+    left = budget - prompt_tokens(request)
+    assert left - max_event_tokens(tenants.mode) < metered <= left
     if tenants.mode == "exact":
         assert result.output_tokens() == metered
     else:
         assert result.output_tokens() <= metered
+    return metered
 
 
 def _assert_cut_exactly_at_budget(
@@ -204,8 +208,8 @@ def _assert_cut_exactly_at_budget(
     assert result.error["code"] == "tpm_limit_exceeded"
     assert result.error["type"] == "rate_limit_error"
     # Exactly the budget: every token the 300-token budget allows after the prompt, no more.
-    assert_output_is_the_budget(result, request, tenants)
-    assert wait_until(lambda: tenants.charged(redis_client, tenant) == 300)
+    charged = prompt_tokens(request) + assert_output_is_the_budget(result, request, tenants)
+    assert wait_until(lambda: tenants.charged(redis_client, tenant) == charged)
 
 
 def test_budget_cut_off_over_http1_delivers_exactly_the_budget_then_error_and_done(
@@ -285,8 +289,8 @@ def test_completions_stream_is_cut_at_the_budget_too(
     )
     assert result.clean_end and result.done
     assert result.error is not None and result.error["code"] == "tpm_limit_exceeded"
-    assert_output_is_the_budget(result, request, tenants)
-    assert wait_until(lambda: tenants.charged(redis_client, "completions") == 300)
+    charged = prompt_tokens(request) + assert_output_is_the_budget(result, request, tenants)
+    assert wait_until(lambda: tenants.charged(redis_client, "completions") == charged)
 
 
 def test_continuous_usage_from_the_upstream_is_metered_to_the_same_exact_budget(
@@ -316,8 +320,8 @@ def test_truncate_mode_ends_with_a_length_stop_instead_of_an_error(
         if c.get("finish_reason")
     ]
     assert finals == ["length"]
-    assert_output_is_the_budget(result, request, tenants)
-    assert wait_until(lambda: tenants.charged(redis_client, "truncate") == 300)
+    charged = prompt_tokens(request) + assert_output_is_the_budget(result, request, tenants)
+    assert wait_until(lambda: tenants.charged(redis_client, "truncate") == charged)
 
 
 def test_client_disconnect_mid_stream_bills_what_was_delivered(
