@@ -61,6 +61,7 @@ class TimedStream:
     retry_after_s: float | None = None  # a refusal's Retry-After
     bad_events: int = 0  # events neither ``data: <JSON>`` nor ``data: [DONE]`` (validate only)
     client_closed: bool = False  # the client hung up itself after ``close_after`` events
+    text: list[str] = field(default_factory=list)  # the token events' text (validate only)
 
 
 def chat_request(
@@ -91,6 +92,16 @@ def _well_formed(event: bytes) -> bool:
         return isinstance(orjson.loads(payload), dict)
     except orjson.JSONDecodeError:
         return False
+
+
+def _event_text(event: bytes) -> str:
+    """The generated text of one well-formed token event (content, or a completion's text)."""
+    chunk = orjson.loads(event[6:])
+    return "".join(
+        str((c.get("delta") or {}).get("content") or c.get("text") or "")
+        for c in chunk.get("choices") or []
+        if isinstance(c, dict)
+    )
 
 
 class _TimedSseProtocol(asyncio.Protocol):
@@ -184,6 +195,8 @@ class _TimedSseProtocol(asyncio.Protocol):
             ):
                 result.arrivals.append(now)
                 result.arrivals_ns.append(now_ns)
+                if self.validate:  # what the client read, for a count of its own
+                    result.text.append(_event_text(event))
                 stamp = _int_after(event, STAMP_MARK)
                 if stamp is not None:
                     result.stamps_ns.append(stamp)
