@@ -77,31 +77,40 @@ def check_field_names(body: dict[str, Any]) -> None:
         _check(options, STREAM_OPTIONS, "stream_options.")
     messages = body.get("messages")
     if type(messages) is list:
+        fields = MESSAGE.fields
         for i, message in enumerate(messages):
-            if type(message) is dict:
-                _check_message(message, f"messages[{i}].")
+            # Per message the usual case costs a subset test and a length: the path of a
+            # key is only spelt out once there is one to refuse.
+            if type(message) is not dict:
+                continue
+            if not message.keys() <= fields:
+                _check(message, MESSAGE, f"messages[{i}].")
+            if len(message) > 2 or type(message.get("content")) is list:
+                _check_message_parts(message, f"messages[{i}].")
     tools = body.get("tools")
     if type(tools) is list:
         for i, tool in enumerate(tools):
-            if type(tool) is dict:
+            if type(tool) is dict and not tool.keys() <= TOOL.fields:
                 _check(tool, TOOL, f"tools[{i}].")
 
 
-def _check_message(message: dict[str, Any], where: str) -> None:
-    _check(message, MESSAGE, where)
+def _check_message_parts(message: dict[str, Any], where: str) -> None:
     content = message.get("content")
     if type(content) is list:
+        fields = PART.fields
         for j, part in enumerate(content):
-            if type(part) is dict:
+            if type(part) is dict and not part.keys() <= fields:
                 _check(part, PART, f"{where}content[{j}].")
     calls = message.get("tool_calls")
     if type(calls) is list:
         for k, call in enumerate(calls):
-            if type(call) is dict:
+            if type(call) is not dict:
+                continue
+            if not call.keys() <= TOOL_CALL.fields:
                 _check(call, TOOL_CALL, f"{where}tool_calls[{k}].")
-                function = call.get("function")
-                if type(function) is dict:
-                    _check(function, CALL, f"{where}tool_calls[{k}].function.")
+            function = call.get("function")
+            if type(function) is dict and not function.keys() <= CALL.fields:
+                _check(function, CALL, f"{where}tool_calls[{k}].function.")
     legacy = message.get("function_call")
     if type(legacy) is dict:
         _check(legacy, CALL, f"{where}function_call.")
