@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from extproc.admission.errors import ApiError
 from extproc.admission.field_names import fold
-from extproc.admission.request import ModelRequest, parse_model_request
+from extproc.admission.request import Endpoint, ModelRequest, parse_model_request
 from extproc.config import Config, parse_config
 from tests.support.go_json import GO_ASCII_RUNES, GoView
 
@@ -34,12 +34,12 @@ CONFIG: Config = parse_config(
 HI = [{"role": "user", "content": "hi"}]
 
 
-def parse(body: dict[str, Any] | bytes, endpoint: str = "chat") -> ModelRequest:
+def parse(body: dict[str, Any] | bytes, endpoint: Endpoint = "chat") -> ModelRequest:
     raw = body if isinstance(body, bytes) else orjson.dumps(body)
-    return parse_model_request(endpoint, raw, CONFIG)  # type: ignore[arg-type]
+    return parse_model_request(endpoint, raw, CONFIG)
 
 
-def refusal(body: dict[str, Any] | bytes, endpoint: str = "chat") -> ApiError:
+def refusal(body: dict[str, Any] | bytes, endpoint: Endpoint = "chat") -> ApiError:
     with pytest.raises(ApiError) as info:
         parse(body, endpoint)
     return info.value

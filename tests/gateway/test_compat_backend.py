@@ -433,7 +433,6 @@ def test_a_case_variant_max_tokens_is_refused_before_it_reaches_the_model(
     assert (error["code"], error["param"]) == ("unknown_parameter", "MAX_TOKENS")
     assert counter_total(redis_client, name, "tpm") == 0 and ledger(redis_client, name) == []
     assert _metric(simulator, "vllm:request_success_total") == requests_before
-    assert counter_total(redis_client, name, "tpm") <= SMUGGLE_TPM
 
 
 def _metric(sim: ModeSimulator, name: str) -> int:
