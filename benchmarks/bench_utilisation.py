@@ -8,14 +8,17 @@ refuses the rest with most of the budget unused. Lease-ahead billing should let 
 use (nearly) all of the budget, and never go past it.
 
 Everything is real but the answer length: redis-server, Envoy with the billing processor
-(as the gateway tests start them), and llmsim from ``simulator_profiles/fast.yaml`` paced at
-``--itl-ms`` per token. Clients send ``max_tokens: 1000`` through the gateway, so the gateway
-meters against 1,000 and never learns how long an answer will be. llmsim answers a limit of
-1,000 with its six-bucket histogram (mostly ≤ 60 or ≥ 900 tokens), and a per-request
-``max_tokens``/``ignore_eos`` would tell the gateway the length, so llmsim runs here with one
-change, made in its own process: a random-mode answer is uniform in
-``--answer-min``..``--answer-max`` tokens (``finish_reason: stop``), as a model stopping at
-its own EOS. Output is still whole o200k_base tokens, one per event.
+(as the gateway tests start them), and llmsim from ``--profile`` (``fast.yaml``; or
+``llm-d-v0.10.2.yaml``, llm-d-inference-sim's behaviour) paced at ``--itl-ms`` per token.
+Clients send ``max_tokens: 1000`` through the gateway, so the gateway meters against 1,000
+and never learns how long an answer will be. llmsim answers a limit of 1,000 with a
+six-bucket histogram (mostly ≤ 60 or ≥ 900 tokens; v0.10.2's hits the limit 15% of the
+time), and a per-request ``max_tokens``/``ignore_eos`` would tell the gateway the length, so
+llmsim runs here with one change, made in its own process: a random-mode answer is uniform
+in ``--answer-min``..``--answer-max`` tokens (``finish_reason: stop``), as a model stopping
+at its own EOS. With ``fast.yaml`` output is whole o200k_base tokens, one per event; with
+the compat profile it is v0.10.2's pieces, which its dummy tokenizer counts a few % below
+o200k (gpt-4.1 is billed ``max(server's usage, the meter's count)``, docs/billing.md).
 
 Columns: the ``reserve_max`` baseline and each ``--batches`` size (incremental charging),
 each on a fresh tenant with ``tpm: 5000`` on a one-hour window, so that every run lies in
@@ -51,6 +54,9 @@ The figures, and why they are honest:
   re-tokenized with o200k_base as the tests do. It must equal the counter (a note is printed
   otherwise, and when a complete stream's ``usage`` differs from the client's count); minus
   the limit it gives **over budget**, which must be 0.
+* **billed / server usage / delivered**, over the complete streams: their ledger entries,
+  the usage the server reported, and the client's own count (prompt as the gateway counts
+  it, o200k of the text received). With ``fast.yaml`` all three agree.
 * **in complete answers**: the share of the limit spent on requests whose answer was not
   cut. A stream is cut when a lease is refused: the tenant pays for tokens it received,
   but a truncated answer. Utilisation counts them (the client got them); this row shows
@@ -61,6 +67,7 @@ The figures, and why they are honest:
 
     .venv/bin/python benchmarks/bench_utilisation.py [--batches 32,128] [--clients 50]
         [--tpm 5000] [--itl-ms 20] [--behaviours backoff,retry-after,once] [--no-baseline]
+        [--profile fast.yaml|llm-d-v0.10.2.yaml]
 
 Target (issue 8 item 11): ≥ 98 % of the budget used at batch 32 and at batch 128, 0 tokens
 over the budget. Runtime ~1.5 min (~30 s with ``--no-baseline``).
@@ -107,6 +114,7 @@ LEASE_REFUSALS = 'extproc_lease_batches_total{result="refused"}'
 def run_simulator(argv: list[str]) -> int:
     """llmsim's own ``main`` with random-mode answers uniform in [min, max] tokens."""
     from llmsim import cli, textgen
+    from llmsim.llmd import answers
 
     low, high = int(os.environ["BENCH_ANSWER_MIN"]), int(os.environ["BENCH_ANSWER_MAX"])
 
@@ -116,7 +124,11 @@ def run_simulator(argv: list[str]) -> int:
         limit = max_tokens if max_tokens is not None else max(1, context_left)
         return limit if ignore_eos else min(limit, rng.randint(low, high))
 
+    def histogram_length(limit: int, rng: random.Random) -> int:
+        return min(limit, rng.randint(low, high))
+
     textgen.sample_length = sample_length  # plan_answer looks it up at call time
+    answers.histogram_length = histogram_length  # the compat one's random_answer, the same
     return cli.main(argv)
 
 
@@ -126,6 +138,7 @@ def run_simulator(argv: list[str]) -> int:
 @dataclass
 class Outcome:
     status: int
+    request_id: str = ""
     prompt_tokens: int = 0
     output_tokens: int = 0
     cut: bool = False  # the gateway ended the stream: a lease was refused
@@ -165,13 +178,14 @@ async def one_request(host: str, port: int, api_key: str, body: bytes, load: Loa
     """POST over a raw HTTP/1.1 socket, keep every byte that arrived; count streams in flight."""
     from tests.support.sse_client import dechunk, parse_events
 
+    request_id = str(uuid.uuid4())
     head = (
         "POST /v1/chat/completions HTTP/1.1\r\n"
         f"Host: {host}:{port}\r\n"
         f"Authorization: Bearer {api_key}\r\n"
         "Content-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n"
-        f"x-request-id: {uuid.uuid4()}\r\n"
+        f"x-request-id: {request_id}\r\n"
         "Connection: close\r\n\r\n"
     )
     reader, writer = await asyncio.open_connection(host, port)
@@ -197,7 +211,7 @@ async def one_request(host: str, port: int, api_key: str, body: bytes, load: Loa
             load.changed()
     header_blob, _, rest = bytes(raw).partition(b"\r\n\r\n")
     status = int(header_blob.split(b" ", 2)[1]) if header_blob.startswith(b"HTTP/") else 0
-    outcome = Outcome(status)
+    outcome = Outcome(status, request_id)
     if status != 200:
         outcome.error_body = rest[:300].decode(errors="replace")
         return outcome
@@ -281,6 +295,7 @@ class Column:
     finished: bool = False  # the window was used before the time limit
     metrics: dict[str, float] = field(default_factory=dict)
     outcomes: list[Outcome] = field(default_factory=list)
+    billed: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id: ledger
 
     @property
     def title(self) -> str:
@@ -311,6 +326,20 @@ class Column:
             != (o.output_tokens, o.prompt_tokens)
         )
 
+    def three_ways(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """(prompt, output) over the complete streams: billed, server usage, delivered."""
+        done = [o for o in self.admitted() if o.complete and o.request_id in self.billed]
+        usages = [o.usage or {} for o in done]
+        billed = [self.billed[o.request_id] for o in done]
+        return (
+            (sum(b[0] for b in billed), sum(b[1] for b in billed)),
+            (
+                sum(int(u.get("prompt_tokens", 0)) for u in usages),
+                sum(int(u.get("completion_tokens", 0)) for u in usages),
+            ),
+            (sum(o.prompt_tokens for o in done), sum(o.output_tokens for o in done)),
+        )
+
     def over_budget(self) -> int:
         return max(0, self.client_total() - self.limit)
 
@@ -323,6 +352,7 @@ class Column:
         complete_total = sum(o.prompt_tokens + o.output_tokens for o in complete)
         smallest = min((o.prompt_tokens for o in admitted), default=0) + self.answer_min
         m = self.metrics.get
+        billed, usage, ours = self.three_ways()
         return [
             f"{self.charged:,} = {100 * self.utilisation:.1f} %",
             f"{self.client_total():,} ({sum(o.output_tokens for o in admitted):,} output)",
@@ -334,6 +364,8 @@ class Column:
             f"{m('extproc_lease_batches_total', 0):.0f} / {m(LEASE_REFUSALS, 0):.0f}",
             f"{m('extproc_events_waited_total', 0):.0f} of {m('extproc_sse_events_total', 0):.0f}",
             f"{self.seconds:.1f}" + ("" if self.finished else " (time limit)"),
+            f"{billed[1]:,} / {usage[1]:,} / {ours[1]:,}",
+            f"{billed[0]:,} / {usage[0]:,} / {ours[0]:,}",
         ]
 
 
@@ -348,6 +380,8 @@ ROW_NAMES = [
     "lease batches / refused",
     "events that waited on Redis",
     "seconds until the window was used",
+    "complete streams' output: billed / server usage / delivered",
+    "complete streams' prompt: billed / server usage / gateway's count",
 ]
 
 
@@ -361,6 +395,15 @@ def counter_in_window(client: Any, tenant: str, window_start: int) -> tuple[int,
     prefix = keys.counter_key(tenant, "tpm", MODEL, WINDOW_S)
     found = {k: int(client.get(k) or 0) for k in client.scan_iter(match=prefix + ":*")}
     return found.get(f"{prefix}:{window_start}", 0), len(found)
+
+
+def ledger_of(client: Any, tenant: str) -> dict[str, tuple[int, int]]:
+    """Client request id -> (prompt, output) billed, from the tenant's usage ledger."""
+    entries = client.xrange(f"tq:{{{tenant}}}:usage")
+    return {
+        e["client_request_id"]: (int(e["prompt_tokens"]), int(e["output_tokens"]))
+        for _, e in entries
+    }
 
 
 def settled_all(after: dict[str, float], before: dict[str, float], admitted: int) -> bool:
@@ -391,6 +434,12 @@ def main() -> None:
     parser.add_argument("--answer-max", type=int, default=200)
     parser.add_argument("--max-seconds", type=float, default=30.0, help="per column")
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument(
+        "--profile",
+        default="fast.yaml",
+        help="simulator profile: a name in simulator_profiles/ or a path (llm-d-v0.10.2.yaml: "
+        "llm-d-inference-sim v0.10.2's tokenizer and chunks)",
+    )
     args = parser.parse_args()
     plans = ([] if args.no_baseline else ["max"]) + [f"b{b}" for b in args.batches.split(",")]
     behaviours = args.behaviours.split(",")
@@ -404,6 +453,12 @@ def main() -> None:
     from tests.support.gateway import Envoy, http_get, key_hash, wait_until, write_config
     from tests.support.procs import ManagedProcess, free_port
     from tests.support.redis_server import RedisServer
+    from tests.support.simulator import profile_path
+
+    try:
+        profile = profile_path(args.profile)
+    except FileNotFoundError as exc:
+        parser.error(f"--profile: {exc}")
 
     columns = [
         Column(plan, behaviour, args.tpm, args.answer_min)
@@ -431,7 +486,7 @@ def main() -> None:
     sim_port = free_port()
     sim_argv = [
         sys.executable, __file__, "--llmsim",
-        "--config", str(ROOT / "simulator_profiles" / "fast.yaml"),
+        "--config", str(profile),
         "--host", "127.0.0.1", "--port", str(sim_port),
         "--inter-token-latency", f"{args.itl_ms}ms",
         "--seed", str(args.seed), "--log-level", "WARNING",
@@ -478,6 +533,7 @@ def main() -> None:
             after = processor.metrics()
             col.metrics = {k: v - before.get(k, 0.0) for k, v in after.items()}
             col.charged, col.windows = counter_in_window(rclient, col.tenant, window_start)
+            col.billed = ledger_of(rclient, col.tenant)
             print(f"{col.behaviour:>11} {col.title}: {col.seconds:.1f} s", flush=True)
         rclient.close()
     finally:
@@ -489,6 +545,7 @@ def main() -> None:
     mean_cost = prompt + (args.answer_min + args.answer_max) / 2
     print()
     print(
+        f"simulator profile {args.profile}; "
         f"{args.clients} clients, tpm {args.tpm:,}, max_tokens {MAX_TOKENS}, answers "
         f"{args.answer_min}–{args.answer_max} tokens (prompt ≈ {prompt:.0f}), ITL "
         f"{args.itl_ms:g} ms: the budget holds ≈ {args.tpm / mean_cost:.0f} requests of this "

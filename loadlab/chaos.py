@@ -3,6 +3,7 @@ clients misbehave and a timeline of faults hits Redis, the processors and Envoy;
 integrity report, one row per invariant.
 
     extproc chaos [SCENARIO.yaml] [--out DIR] [--quiet] [--duration-s S] [--rate R]
+        [--profile fast.yaml|llm-d-v0.10.2.yaml|PATH]
 
 Exit status: 0 every invariant held, 1 one failed (or a part failed), 2 a bad scenario or
 flag, 130 interrupted. docs/benchmarking.md, "extproc chaos".
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import random
 import signal
@@ -59,6 +61,7 @@ DEFAULT_SCENARIO = ROOT / "benchmarks" / "chaos" / "default.yaml"
 # failed checks half a second apart to drop a dead processor, and one more to take it back).
 FAULT_GRACE_S = 2.0
 TAMPERS = ("counter", "ledger")
+UPSTREAM_ERROR = "upstream_error"  # the code of the event ending a stream it cannot read
 
 
 def parser() -> argparse.ArgumentParser:
@@ -77,6 +80,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--duration-s", type=float, help="override the scenario's duration_s")
     p.add_argument("--rate", type=float, help="override load.rate (requests/s)")
     p.add_argument("--seed", type=int)
+    p.add_argument(
+        "--profile",
+        help="override simulator.profile: a name in simulator_profiles/ (llm-d-v0.10.2.yaml: "
+        "the real simulator's behaviour) or a path",
+    )
     # A test hook: breaks one invariant in Redis after the run, before the checks, so a
     # test can prove the report fails. Never a switch of the processor.
     p.add_argument("--tamper", choices=TAMPERS, help=argparse.SUPPRESS)
@@ -93,6 +101,8 @@ def build(args: argparse.Namespace) -> ChaosScenario:
         doc["load"]["rate"] = args.rate
     if args.seed is not None:
         doc["seed"] = args.seed
+    if args.profile is not None:
+        doc["simulator"]["profile"] = args.profile
     return parse_chaos(doc) if doc != s.to_doc() else s
 
 
@@ -146,7 +156,7 @@ class Load:
             "detail": _detail(stream),
             "prompt_tokens": stream.prompt_tokens or words + CHAT_OVERHEAD,
             "max_tokens": asked,
-            "output_tokens": min(asked, len(stream.arrivals_ns)),
+            "output_tokens": delivered_tokens(stream),
             "events": len(stream.arrivals_ns),
             "error_code": stream.error_code,
             "error_body": _error_body(stream),
@@ -197,6 +207,19 @@ class Load:
         await asyncio.gather(*tasks)
 
 
+@functools.cache
+def _o200k() -> Any:
+    from extproc.tokens.encodings import load_tokenizer
+
+    return load_tokenizer("o200k_base")
+
+
+def delivered_tokens(stream: TimedStream) -> int:
+    """o200k tokens of the text the client read, as the meter counts it: one per event from
+    llmsim's exact profile, not from v0.10.2's pieces ("(", "x", "+" can be fewer)."""
+    return len(_o200k().encode("".join(stream.text)))
+
+
 def _detail(stream: TimedStream) -> str:
     if stream.client_closed:
         return "client_closed"
@@ -232,15 +255,17 @@ def classify(rec: dict[str, Any], spans: Sequence[tuple[float, float]], s: Chaos
     reset_by_fault (the request overlapped a fault on the timeline), reset_by_upstream (the
     stream broke off mid-body while the simulator disconnects streams: Envoy resets the
     client, as tests/gateway/test_chaos.py documents) and malformed_upstream (the
-    simulator's malformed event, which the processor counts and passes on as it came) are
-    explained; the rest is malformed."""
+    simulator's malformed event: the processor ends the stream there, cleanly, with an
+    ``upstream_error`` event and ``[DONE]``) are explained; the rest is malformed, an event
+    no client can parse reaching the client included (the processor never forwards one)."""
     detail = rec["detail"]
-    if detail == "bad_events" and s.malformed_rate > 0:
-        return "malformed_upstream"
     if detail == "client_closed":
         return "client_disconnect"
     if detail == "done":
         return "complete"
+    if detail == "error_event" and rec["error_code"] == UPSTREAM_ERROR:
+        # The processor found the stream unreadable: explained only by injected events.
+        return "malformed_upstream" if s.malformed_rate > 0 else "malformed"
     if detail == "error_event":
         return "cut_clean"
     if detail == "status" and rec["error_body"]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from loadlab.scenario import (
     CHARGE_MODES,
     Lengths,
@@ -341,6 +343,14 @@ def check_chaos(s: ChaosScenario) -> ChaosScenario:
         raise ScenarioError(
             "simulator.profile", f"{s.profile!r} is neither in simulator_profiles/ nor a file"
         ) from None
+    if _compat_profile(s.profile):
+        for name in ("disconnect_rate", "stall_rate", "malformed_rate", "split_writes_rate"):
+            if getattr(s, name):
+                raise ScenarioError(
+                    f"simulator.{name}",
+                    f"is an llmsim extension; {s.profile} answers as the real "
+                    "llm-d-inference-sim, which has none (only failure_injection_rate)",
+                )
     if s.failure_injection_rate and not s.failure_types:
         raise ScenarioError("simulator.failure_types", "must not be empty with a failure rate")
     for i, f in enumerate(s.faults):
@@ -360,6 +370,17 @@ def check_chaos(s: ChaosScenario) -> ChaosScenario:
         if b.at_s >= s.duration_s:
             raise ScenarioError(f"clients.bursts[{i}].at", "is not before duration_s")
     return s
+
+
+def _compat_profile(profile: str) -> bool:
+    """The profile sets ``ext-compat``: llmsim then refuses its own chaos keys."""
+    from loadlab.simulator import profile_path
+
+    try:
+        doc = yaml.safe_load(profile_path(profile).read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # the simulator says what is wrong with it when it starts
+    return isinstance(doc, dict) and bool(doc.get("ext-compat"))
 
 
 def load_chaos(path: Path) -> ChaosScenario:

@@ -56,6 +56,7 @@ class TimedStream:
     other_events: int = 0  # JSON events that are no token, usage, error (role, finish, …)
     client_closed: bool = False  # the client hung up itself after ``close_after`` events
     connect_error: str = ""  # why the connection (or its TLS handshake) failed
+    text: list[str] = field(default_factory=list)  # the token events' text (validate only)
 
 
 def host_header(host: str, port: int, tls: bool) -> str:
@@ -110,6 +111,15 @@ def is_token_chunk(chunk: dict[str, Any]) -> bool:
         if isinstance(delta, dict) and any(delta.get(f) for f in DELTA_TOKEN_FIELDS):
             return True
     return False
+
+
+def chunk_text(chunk: dict[str, Any]) -> str:
+    """The generated text of one token chunk: chat content, or a completion's text."""
+    return "".join(
+        str((c.get("delta") or {}).get("content") or c.get("text") or "")
+        for c in chunk.get("choices") or []
+        if isinstance(c, dict)
+    )
 
 
 def _count(value: object) -> int | None:
@@ -269,6 +279,8 @@ class _TimedSseProtocol(asyncio.Protocol):
             return False
         result.arrivals.append(now_ns / 1e9)
         result.arrivals_ns.append(now_ns)
+        if self.validate:  # what the client read, for a count of its own
+            result.text.append(chunk_text(chunk))
         stamp = _count(chunk.get("ext_sent_ns"))
         if stamp is not None:
             result.stamps_ns.append(stamp)

@@ -2,7 +2,9 @@
 
 The body that reaches the upstream is always re-serialised from the parsed object, so it
 holds each key once and the upstream reads exactly what was charged (a duplicate ``"model"``
-or ``"max_tokens"`` key cannot make it serve another model or a longer answer). Rewrites:
+or ``"max_tokens"`` key cannot make it serve another model or a longer answer). A key that a
+case-insensitive parser (Go's) would read as a field the meter reads, spelt otherwise
+(``"MAX_TOKENS"``), is a 400 (``extproc.admission.field_names``). Rewrites:
 
 * ``model`` set to the quota model's upstream name, so a look-alike or alias is served as
   the model it was charged to.
@@ -26,6 +28,7 @@ from typing import Any, Literal
 import orjson
 
 from extproc.admission.errors import invalid_request, model_not_found, too_large
+from extproc.admission.field_names import check_field_names
 from extproc.config import Config, ModelSpec
 from extproc.tokens.errors import MalformedRequest
 from extproc.tokens.text import decode_utf8
@@ -88,6 +91,7 @@ def parse_unserialised(endpoint: Endpoint, raw: bytes, config: Config) -> ModelR
         body = _parse_refused(raw)
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.", "invalid_json")
+    check_field_names(body)
 
     requested = body.get("model")
     if not isinstance(requested, str) or not requested:

@@ -21,6 +21,7 @@ from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
 from tests.support.gateway import Gateway, start_gateway, wait_until
+from tests.support.go_json import GoView
 from tests.support.redis_server import RedisServer
 from tests.support.scripted_upstream import (
     Received,
@@ -72,6 +73,8 @@ TENANTS = {
     "json_unreadable": plan(),
     "prompt_list": plan(tpm=5_000, charge_mode="reserve_max"),
     "duplicate_model": plan(),
+    "go_smuggle": plan(tpm=PROMPT + 50),
+    "go_duplicates": plan(tpm=PROMPT + 50),
     "lookalike": plan(),
     "served_name": plan(),
     "credentials": plan(),
@@ -426,6 +429,75 @@ def test_a_duplicate_model_key_reaches_the_upstream_as_the_charged_model(
     assert sent.count(b'"model"') == 1 and sent.count(b'"max_tokens"') == 1
     assert orjson.loads(sent)["model"] == "gpt-4.1"
     assert settled(redis_client, "duplicate_model", PROMPT + 3) == PROMPT + 3
+
+
+def go_server(received: Received) -> Reply:
+    """An upstream reading the body as Go's encoding/json does (llm-d-inference-sim): any
+    case, the last key winning; it answers as many tokens as the limit it read, streamed if
+    it read ``stream``."""
+    go = GoView(received.body)
+    limits = [go.field(go.doc, f) for f in ("max_tokens", "max_completion_tokens")]
+    tokens = min([v for v in limits if isinstance(v, int)] or [16])
+    if go.field(go.doc, "stream"):
+        return Reply(headers=SSE, chunks=visible_stream(tokens, tokens))
+    doc = json_completion(PIECE * tokens, usage(PROMPT, tokens))
+    return Reply(headers={"Content-Type": "application/json"}, chunks=[orjson.dumps(doc)])
+
+
+SMUGGLED: list[tuple[str, dict[str, Any]]] = [
+    ("MAX_TOKENS", {"max_tokens": 16, "MAX_TOKENS": 1000}),
+    ("Max_Completion_Tokens", {"max_tokens": 16, "Max_Completion_Tokens": 1000}),
+    ("max_to\u212aens", {"max_tokens": 16, "max_to\u212aens": 1000}),  # the Kelvin sign
+    ("maxTokens", {"max_tokens": 16, "maxTokens": 1000}),  # encoding/json/v2 nocase
+    ("N", {"max_tokens": 16, "N": 8}),
+    ("Stream", {"max_tokens": 16, "stream": False, "Stream": True}),
+    ("stream_options.Include_Usage", {
+        "max_tokens": 16, "stream": True,
+        "stream_options": {"include_usage": True, "Include_Usage": False},
+    }),
+    ("messages[0].CONTENT", {
+        "max_tokens": 16, "messages": [{**MESSAGES[0], "CONTENT": "long " * 2000}],
+    }),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("param", "extra"), SMUGGLED, ids=[p for p, _ in SMUGGLED])
+def test_a_field_spelt_for_a_case_insensitive_upstream_is_refused_before_it(
+    gateway: Gateway,
+    upstream: ScriptedUpstream,
+    redis_client: redis.Redis,
+    param: str,
+    extra: dict[str, Any],
+) -> None:
+    upstream.reply = go_server
+    seen = len(upstream.received)
+    payload = {"model": "gpt-4.1", "messages": MESSAGES, **extra}
+    result = asyncio.run(post(gateway, "go_smuggle", payload))
+    assert result.status == 400, result.body
+    error = orjson.loads(result.body)["error"]
+    assert (error["code"], error["param"]) == ("unknown_parameter", param)
+    assert len(upstream.received) == seen  # nothing reached the model
+    assert tokens_charged(redis_client, "go_smuggle") == 0
+
+
+def test_duplicate_keys_reach_a_case_insensitive_upstream_as_the_value_charged(
+    gateway: Gateway, upstream: ScriptedUpstream, redis_client: redis.Redis
+) -> None:
+    """orjson keeps the last duplicate, a parser may keep the first: only one is forwarded."""
+    upstream.reply = go_server
+    head = b'{"model": "gpt-4.1", "messages": ' + orjson.dumps(MESSAGES)
+    fits = head + b', "max_tokens": 2000, "max_tokens": 5}'
+    assert asyncio.run(post(gateway, "go_duplicates", fits)).status == 200
+    sent = upstream.last().body
+    assert sent.count(b'"max_tokens"') == 1
+    assert GoView(sent).field(GoView(sent).doc, "max_tokens") == 5
+    assert settled(redis_client, "go_duplicates", PROMPT + 5) == PROMPT + 5
+    # The other order asks for 2,000: refused at admission, it never reaches the upstream.
+    seen = len(upstream.received)
+    over = head + b', "max_tokens": 5, "max_tokens": 2000}'
+    assert asyncio.run(post(gateway, "go_duplicates", over)).status == 429
+    assert len(upstream.received) == seen
+    assert tokens_charged(redis_client, "go_duplicates") == PROMPT + 5
 
 
 def test_a_lookalike_name_charged_to_the_default_model_is_served_as_it(

@@ -107,3 +107,27 @@ def delivered(body: bytes, tokenizer: Any = O200K) -> int:
         for event in client_events(body):
             readable(event, streams)
     return sum(len(tokenizer.encode(text)) for text in streams.values())
+
+
+def as_metered(body: bytes, tokenizer: Any = O200K) -> int:
+    """What docs/billing.md says the meter counts of the same bytes: each (choice, field)
+    text counted whole, summed, after every event; the highest of those sums (a BPE merge
+    that lowers the total later is not refunded). ``delivered`` or a little more."""
+    if body[:2] == b"\x1f\x8b":
+        body = gzip.decompress(body)
+    streams: dict[tuple[str, ...], str] = defaultdict(str)
+    try:
+        readable(json.loads(body), streams)
+        return sum(len(tokenizer.encode(text)) for text in streams.values())
+    except ValueError:
+        pass
+    counts: dict[tuple[str, ...], int] = {}
+    highest = 0
+    for event in client_events(body):
+        before = dict(streams)
+        readable(event, streams)
+        for key, text in streams.items():
+            if before.get(key) != text:
+                counts[key] = len(tokenizer.encode(text))
+        highest = max(highest, sum(counts.values()))
+    return highest

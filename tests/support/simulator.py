@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,6 +50,35 @@ def simulator_in_mode(
         sim.stop()
 
 
+@dataclass(frozen=True)
+class ModeTenants:
+    """Tenant names of a module whose tests run once per mode against one Redis: the
+    module's short names, made the mode's own (``exact-cut``, ``compat-cut``)."""
+
+    mode: Mode
+
+    def name(self, short: str) -> str:
+        return f"{self.mode}-{short}"
+
+    def names(self, plans: dict[str, Any]) -> dict[str, Any]:
+        return {self.name(short): plan for short, plan in plans.items()}
+
+
+def max_event_tokens(mode: Mode) -> int:
+    """The most o200k tokens one content event of the mode's random answers adds to the
+    text: one whole token in exact mode; in compat mode one of v0.10.2's pieces (a word or a
+    mark with the whitespace after it), counted alone, plus one for a merge with the text
+    before. A budget cut-off stops before the first event that does not fit, so it falls
+    short of the budget by less than this."""
+    if mode == "exact":
+        return 1
+    from extproc.tokens.encodings import load_tokenizer
+    from llmsim.llmd.answers import STOCK_TOKENS
+
+    o200k = load_tokenizer("o200k_base")
+    return 1 + max(len(o200k.encode(piece)) for pieces in STOCK_TOKENS for piece in pieces)
+
+
 def simulator_fixture(
     *extra_args: str, modes: tuple[Mode, ...] = MODES, scope: Scope = "module"
 ) -> Callable[..., Iterator[ModeSimulator]]:
@@ -73,7 +103,9 @@ __all__ = [
     "REPO_ROOT",
     "Mode",
     "ModeSimulator",
+    "ModeTenants",
     "Simulator",
+    "max_event_tokens",
     "profile_path",
     "running_simulator",
     "simulator_fixture",

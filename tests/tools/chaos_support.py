@@ -10,11 +10,17 @@ from typing import Any
 from tests.tools.conftest import ROOT
 
 # Seconds, not minutes: 6 s of load at 8 req/s on budgets that run out, the simulator
-# failing and cutting streams, clients hanging up, a Redis pause and a processor SIGKILL.
+# failing, cutting streams and sending malformed events, clients hanging up, a Redis pause
+# and a processor SIGKILL.
 TINY_CHAOS: dict[str, Any] = {
     "name": "tiny",
     "duration_s": 6,
-    "simulator": {"itl_ms": 5, "failure_injection_rate": 10, "disconnect_rate": 10},
+    "simulator": {
+        "itl_ms": 5,
+        "failure_injection_rate": 10,
+        "disconnect_rate": 10,
+        "malformed_rate": 25,
+    },
     "processor": {
         "count": 2,
         "budget": {"tpm": 400, "window_s": 2},

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from loadlab.chaos_scenario import load_chaos
 from tests.tools.chaos_support import TINY_CHAOS, chaos
 from tests.tools.conftest import ROOT, write_scenario
 
@@ -27,6 +28,9 @@ from tests.tools.conftest import ROOT, write_scenario
         ({"processor": {"count": 1}, "faults": [{"at": "1s", "fault": "processor_kill"}]},
          "processor.count"),
         ({"clients": {"retries": -1}}, "clients.retries"),
+        ({"simulator": {"profile": "llm-d-v0.10.2.yaml", "malformed_rate": 5}},
+         "simulator.malformed_rate"),  # the real simulator has no such chaos
+        ({"simulator": {"profile": "no-such-profile.yaml"}}, "simulator.profile"),
         ({"load": {"rats": 3}}, "load.rats"),
     ],
 )  # fmt: skip
@@ -40,6 +44,14 @@ def test_a_bad_scenario_exits_2_naming_the_key(
     assert len(lines) == 1
     assert lines[0].startswith(f"extproc chaos: invalid scenario: {key}: ")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_profile_flag_overrides_the_scenarios(tmp_path: Path) -> None:
+    scenario = write_scenario(tmp_path / "tiny.yaml", TINY_CHAOS)  # llmsim's chaos keys set
+    done = chaos(scenario, "--profile", "llm-d-v0.10.2.yaml", "--out", tmp_path / "out")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("extproc chaos: invalid scenario: simulator.disconnect_rate: ")
+    assert "llm-d-inference-sim" in done.stderr
 
 
 def test_a_missing_scenario_file_exits_2(tmp_path: Path) -> None:
@@ -63,3 +75,10 @@ def test_chaos_is_listed_and_has_its_own_help() -> None:
     assert done.returncode == 0
     assert "Chaos runs: extproc chaos" in done.stdout
     assert "--tamper" not in done.stdout  # a test hook, not an option for users
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "benchmarks" / "chaos").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_every_shipped_scenario_loads(path: Path) -> None:
+    assert load_chaos(path).name == path.stem

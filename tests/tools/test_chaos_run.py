@@ -71,6 +71,17 @@ def test_the_records_are_one_per_attempt_with_a_known_class(
     assert sum(by_class.values()) == len(records)
 
 
+def test_a_malformed_event_ends_its_stream_cleanly_and_never_reaches_the_client(
+    run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    out, _ = run
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    ended = [r for r in records if r["outcome"] == "malformed_upstream"]
+    assert ended, "the simulator's malformed events (25% of streams) showed nowhere"
+    assert all(r["error_code"] == "upstream_error" and r["status"] == 200 for r in ended)
+    assert not any(r["bad_events"] for r in records)
+
+
 def test_the_figures_add_up(run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     out, _ = run
     checks = {c["name"]: c["figures"] for c in load(out, "integrity.json")["checks"]}
