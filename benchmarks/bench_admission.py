@@ -35,7 +35,11 @@ import orjson
 
 from benchmarks import extproc_wire as wire
 from benchmarks.report import fmt, percentile, ratio, table, verdict
-from benchmarks.rig import (
+from extproc.tokens.encodings import load_tokenizer
+from extproc.tokens.prompt import count_prompt_tokens
+from extproc.tokens.registry import TokenizerRegistry
+from loadlab.redis_server import RedisServer
+from loadlab.rig import (
     BENCH_KEY,
     MODEL,
     pin_self,
@@ -43,10 +47,6 @@ from benchmarks.rig import (
     start_noop_processor,
     write_bench_config,
 )
-from extproc.tokens.encodings import load_tokenizer
-from extproc.tokens.prompt import count_prompt_tokens
-from extproc.tokens.registry import TokenizerRegistry
-from tests.support.redis_server import RedisServer
 
 TARGET_P99_MS = 2.0
 PROMPT_TOKENS = 4096

@@ -67,21 +67,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from benchmarks import extproc_wire as wire
 from benchmarks.bench_admission import WORDS
 from benchmarks.report import fmt, percentile, table, verdict
-from benchmarks.rig import (
-    BENCH_KEY,
-    BENCH_TENANT,
-    MODEL,
-    MODELS,
-    ROOMY,
-    bootstrap,
-    upstream_sent_at,
-)
 from loadlab.client import TimedStream, chat_request, timed_stream
+from loadlab.gateway import Envoy, Processor, grpc_serving, key_hash, write_config
+from loadlab.procs import ManagedProcess, free_port
+from loadlab.redis_server import RedisServer
+from loadlab.rig import BENCH_KEY, BENCH_TENANT, MODEL, MODELS, ROOMY, bootstrap, upstream_sent_at
+from loadlab.simulator import Simulator
 from stack.envoy import EnvoyPorts
-from tests.support.gateway import Envoy, Processor, grpc_serving, key_hash, write_config
-from tests.support.procs import ManagedProcess, free_port
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RISE_MS = 1.0

@@ -23,10 +23,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.report import fmt, percentile, verdict
+from loadlab.gateway import http_get, start_gateway, write_config
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
 from tests.gateway.conftest import processor_config, tenant_key
-from tests.support.gateway import http_get, start_gateway, write_config
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
 from tests.support.sse_client import stream_http1
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -71,7 +71,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import extproc_wire as wire
 from benchmarks.bench_processor_throughput import PROCESS_METHOD, PROMPT, PROMPT_TOKENS, all_settled
 from benchmarks.report import fmt, ratio, table, verdict
-from benchmarks.rig import (
+from loadlab.gateway import key_hash, wait_until, write_config
+from loadlab.procs import ManagedProcess
+from loadlab.redis_server import RedisServer
+from loadlab.rig import (
     BENCH_KEY,
     ROOT,
     cpu_seconds,
@@ -80,9 +83,6 @@ from benchmarks.rig import (
     start_noop_processor,
     write_bench_config,
 )
-from tests.support.gateway import key_hash, wait_until, write_config
-from tests.support.procs import ManagedProcess
-from tests.support.redis_server import RedisServer
 
 BATCH = 32
 TIGHT_TENANT = "tight"

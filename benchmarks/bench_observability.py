@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_processor_throughput import BATCH, Phase, run_phase
 from benchmarks.report import fmt, ratio, table
-from benchmarks.rig import ROOT, pinned, write_bench_config
-from tests.support.gateway import grpc_serving
-from tests.support.procs import ManagedProcess, free_port
-from tests.support.redis_server import RedisServer
+from loadlab.gateway import grpc_serving
+from loadlab.procs import ManagedProcess, free_port
+from loadlab.redis_server import RedisServer
+from loadlab.rig import ROOT, pinned, write_bench_config
 
 # The last commit before the processor had prometheus_client metrics and tracing.
 BASELINE_REF = "3b2c2bf"

@@ -44,7 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import extproc_wire as wire
 from benchmarks.report import fmt, ratio, table, verdict
-from benchmarks.rig import (
+from loadlab.gateway import wait_until
+from loadlab.redis_server import RedisServer
+from loadlab.rig import (
     BENCH_KEY,
     cpu_seconds,
     pin_self,
@@ -52,8 +54,6 @@ from benchmarks.rig import (
     start_noop_processor,
     write_bench_config,
 )
-from tests.support.gateway import wait_until
-from tests.support.redis_server import RedisServer
 
 TARGET_MESSAGES_PER_S = 20_000
 TARGET_RATIO = 0.90  # issue 10: billing ≥ 0.90× the no-op's body messages per CPU-second

@@ -35,8 +35,8 @@ from extproc.quota.factory import backend_from_url
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.quota.resp import Script
 from extproc.quota.topology import build_client, parse_redis_url
+from loadlab.redis_server import RedisServer
 from tests.support.redis_cluster import RedisClusterSet, SentinelSet
-from tests.support.redis_server import RedisServer
 
 SCRIPT = Script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
 KEYS = [f"bench:{{t{i}}}:k" for i in range(64)]  # tenants over every slot range

@@ -400,10 +400,10 @@ def main() -> None:
     import redis as redis_lib
 
     from benchmarks.report import table, verdict
-    from benchmarks.rig import MODELS, start_billing_processor
-    from tests.support.gateway import Envoy, http_get, key_hash, wait_until, write_config
-    from tests.support.procs import ManagedProcess, free_port
-    from tests.support.redis_server import RedisServer
+    from loadlab.gateway import Envoy, http_get, key_hash, wait_until, write_config
+    from loadlab.procs import ManagedProcess, free_port
+    from loadlab.redis_server import RedisServer
+    from loadlab.rig import MODELS, start_billing_processor
 
     columns = [
         Column(plan, behaviour, args.tpm, args.answer_min)

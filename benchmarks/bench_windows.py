@@ -41,7 +41,7 @@ from benchmarks.report import fmt, ratio, table
 from extproc.quota import keys
 from extproc.quota.base import AdmitRequest, Counter
 from extproc.quota.redis_backend import TEST_CLOCK_ENV, RedisQuotaBackend
-from tests.support.redis_server import RedisServer
+from loadlab.redis_server import RedisServer
 
 BIG = 10**12
 PROMPT, OUTPUT = 100, 40

@@ -44,11 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_processor_throughput import BATCH, ClientPlan, all_settled, client_main
 from benchmarks.report import fmt, ratio, table
-from benchmarks.rig import ROOT, cpu_seconds, pinned, write_bench_config
-from tests.support.gateway import grpc_serving, http_get, wait_until
-from tests.support.metrics import parse_metrics
-from tests.support.procs import ManagedProcess, free_port, free_port_run
-from tests.support.redis_server import RedisServer
+from loadlab.gateway import grpc_serving, http_get, wait_until
+from loadlab.metrics import parse_metrics
+from loadlab.procs import ManagedProcess, free_port, free_port_run
+from loadlab.redis_server import RedisServer
+from loadlab.rig import ROOT, cpu_seconds, pinned, write_bench_config
 
 MAX_REDIALS = 40  # clients restarted to balance connections, per phase
 

@@ -23,7 +23,7 @@ from extproc.quota.base import AdmitRequest, Counter, QuotaBackend
 from extproc.quota.keys import counter_key, reservation_key
 from extproc.quota.memory_backend import MemoryQuotaBackend
 from extproc.quota.redis_backend import RedisQuotaBackend
-from tests.support.redis_server import RedisServer
+from loadlab.redis_server import RedisServer
 
 BIG = 10**12
 

@@ -19,9 +19,9 @@ import redis
 
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
+from loadlab.gateway import Gateway, start_gateway, wait_until
+from loadlab.redis_server import RedisServer
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
-from tests.support.gateway import Gateway, start_gateway, wait_until
-from tests.support.redis_server import RedisServer
 from tests.support.scripted_upstream import (
     Received,
     Reply,

@@ -22,7 +22,7 @@ from extproc.quota.keys import counter_key, reservation_key, usage_stream_key
 from extproc.quota.redis_backend import RedisQuotaBackend, load_lua
 from extproc.quota.resilient import ResilientQuotaBackend, _Op, absorb_key
 from extproc.quota.resp import Script
-from tests.support.redis_server import RedisServer
+from loadlab.redis_server import RedisServer
 
 # Shadows the global ``redis`` for the script below it: every command's keys must be in
 # KEYS (the first argument; every argument for DEL). TIME takes no key.

@@ -35,8 +35,8 @@ from extproc.quota.resilient import CircuitOpen, Resilience, ResilientQuotaBacke
 from extproc.quota.resp import Script
 from extproc.quota.slots import key_slot
 from extproc.quota.topology import parse_redis_url, seeds_to_url
+from loadlab.procs import free_port
 from tests.quota.conftest import FakeClock
-from tests.support.procs import free_port
 from tests.support.redis_cluster import Node, RedisClusterSet, SentinelSet, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
