@@ -26,8 +26,8 @@ from benchmarks.report import fmt, percentile, verdict
 from loadlab.gateway import http_get, start_gateway, write_config
 from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
+from loadlab.sse_client import stream_http1
 from tests.gateway.conftest import processor_config, tenant_key
-from tests.support.sse_client import stream_http1
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_MS = 50.0

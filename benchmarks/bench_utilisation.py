@@ -163,7 +163,7 @@ class Load:
 
 async def one_request(host: str, port: int, api_key: str, body: bytes, load: Load) -> Outcome:
     """POST over a raw HTTP/1.1 socket, keep every byte that arrived; count streams in flight."""
-    from tests.support.sse_client import dechunk, parse_events
+    from loadlab.sse_client import dechunk, parse_events
 
     head = (
         "POST /v1/chat/completions HTTP/1.1\r\n"

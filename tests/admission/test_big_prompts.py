@@ -37,6 +37,7 @@ from loadlab.gateway import (
 )
 from loadlab.procs import ManagedProcess, free_port
 from loadlab.redis_server import RedisServer
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.admission.failing_tokenizer_processor import MARK
 from tests.gateway.conftest import (
     WINDOW_S,
@@ -45,7 +46,6 @@ from tests.gateway.conftest import (
     tenant_key,
 )
 from tests.support.scripted_upstream import Received, Reply, ScriptedUpstream
-from tests.support.sse_client import StreamResult, stream_http1
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_BODY = 1 << 20  # the default max_body_bytes

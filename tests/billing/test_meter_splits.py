@@ -21,8 +21,8 @@ from extproc.quota import keys
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.runtime import Runtime
 from loadlab.redis_server import RedisServer
+from loadlab.sse_client import parse_events
 from tests.billing.streams import REQUEST, config_doc
-from tests.support.sse_client import parse_events
 
 _ids = itertools.count()
 

@@ -35,9 +35,9 @@ from loadlab.gateway import ROOT, start_gateway, wait_until
 from loadlab.procs import ManagedProcess, free_port
 from loadlab.redis_server import REDIS_SERVER, accepts_connections
 from loadlab.simulator import Simulator
+from loadlab.sse_client import stream_http1
 from tests.deploy.conftest import DEPLOY, k8s_object
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
-from tests.support.sse_client import stream_http1
 
 pytestmark = pytest.mark.slow
 TENANT = "aof"

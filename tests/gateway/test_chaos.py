@@ -31,6 +31,7 @@ from extproc.tokens.registry import TokenizerRegistry
 from loadlab.gateway import Gateway, http_get, start_gateway, wait_until
 from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import (
     FAST_PROFILE,
     WINDOW_S,
@@ -38,7 +39,6 @@ from tests.gateway.conftest import (
     tenant_key,
     write_processor_config,
 )
-from tests.support.sse_client import StreamResult, stream_http1
 
 STREAMS = 30
 MODELS = {"gpt-4.1": {"tokenizer": "o200k_base", "max_tokens": 4096}}

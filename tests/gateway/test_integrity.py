@@ -21,6 +21,7 @@ from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
 from loadlab.gateway import Gateway, start_gateway, wait_until
 from loadlab.redis_server import RedisServer
+from loadlab.sse_client import stream_http1
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
 from tests.support.scripted_upstream import (
     Received,
@@ -29,7 +30,6 @@ from tests.support.scripted_upstream import (
     chat_stream,
     usage,
 )
-from tests.support.sse_client import stream_http1
 
 SECRET_ENV = "TQ_TEST_UPSTREAM_KEY"
 SECRET = "sk-upstream-secret-for-tests"

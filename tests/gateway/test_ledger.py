@@ -24,8 +24,8 @@ from extproc.quota import keys
 from loadlab.gateway import Gateway, start_gateway, wait_until
 from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import FAST_PROFILE, WINDOW_S, tenant_key, write_processor_config
-from tests.support.sse_client import StreamResult, stream_http1
 
 MODELS = {"gpt-4.1": {"tokenizer": "o200k_base", "max_tokens": 4096}}
 CHAOS_TENANTS = [f"ledger-chaos-{i}" for i in range(4)]

@@ -26,9 +26,9 @@ from extproc.tokens.registry import TokenizerRegistry
 from loadlab.gateway import Gateway, start_gateway, wait_until
 from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import tenant_key, write_processor_config
 from tests.support.quota_views import counter_total, ledger, ledger_net
-from tests.support.sse_client import StreamResult, stream_http1
 
 WINDOW_S = 4  # short windows keep the burst tests quick; bucket 1 s
 LIMIT_RPM = 5

@@ -27,8 +27,8 @@ from extproc.tokens.registry import TokenizerRegistry
 from loadlab.gateway import Envoy, Processor, wait_until
 from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import FAST_PROFILE, WINDOW_S, tenant_key, write_processor_config
-from tests.support.sse_client import StreamResult, stream_http1
 
 TENANT = "crash"
 PREFIX = "tq-crash"

@@ -16,6 +16,7 @@ from extproc.tokens.registry import TokenizerRegistry
 from loadlab.gateway import Envoy, Processor, start_gateway, wait_until
 from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
+from loadlab.sse_client import stream_http1
 from tests.gateway.conftest import (
     FAST_PROFILE,
     WINDOW_S,
@@ -23,7 +24,6 @@ from tests.gateway.conftest import (
     tenant_key,
     write_processor_config,
 )
-from tests.support.sse_client import stream_http1
 
 MODELS = {"gpt-4.1": {"tokenizer": "o200k_base", "max_tokens": 4096}}
 REQUEST = {

@@ -17,6 +17,7 @@ from extproc.tokens.registry import TokenizerRegistry
 from loadlab.gateway import Gateway, http_get, start_gateway, wait_until
 from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
+from loadlab.sse_client import StreamResult, stream_http1, stream_http2
 from tests.gateway.conftest import (
     FAST_PROFILE,
     WINDOW_S,
@@ -24,7 +25,6 @@ from tests.gateway.conftest import (
     tenant_key,
     write_processor_config,
 )
-from tests.support.sse_client import StreamResult, stream_http1, stream_http2
 
 MODELS = {
     "gpt-4.1": {
@@ -295,7 +295,7 @@ def test_client_disconnect_mid_stream_bills_what_was_delivered(
         return text.decode()
 
     received = asyncio.run(read_then_leave())
-    from tests.support.sse_client import parse_events
+    from loadlab.sse_client import parse_events
 
     got = StreamResult(200, {}, received.encode(), False, parse_events(received.encode()))
     read_tokens = got.output_tokens()
