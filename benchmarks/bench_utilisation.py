@@ -399,7 +399,7 @@ def main() -> None:
 
     import redis as redis_lib
 
-    from benchmarks.report import table, verdict
+    from loadlab.figures import table, verdict
     from loadlab.gateway import Envoy, http_get, key_hash, wait_until, write_config
     from loadlab.procs import ManagedProcess, free_port
     from loadlab.redis_server import RedisServer

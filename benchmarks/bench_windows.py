@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis.asyncio as aioredis
 
-from benchmarks.report import fmt, ratio, table
 from extproc.quota import keys
 from extproc.quota.base import AdmitRequest, Counter
 from extproc.quota.redis_backend import TEST_CLOCK_ENV, RedisQuotaBackend
+from loadlab.figures import fmt, ratio, table
 from loadlab.redis_server import RedisServer
 
 BIG = 10**12
