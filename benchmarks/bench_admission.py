@@ -5,7 +5,7 @@ request it opens a Process stream, sends the request headers (API key), waits fo
 answer, sends the buffered request body, and waits for the verdict. The time from the
 headers' send to the verdict is the admission latency — identity, JSON parsing, counting
 the prompt's tokens, the atomic Redis charge, and two gRPC round trips. The same exchange
-against the no-op processor (benchmarks/noop_processor.py) shows what the two round trips
+against the no-op processor (``loadlab.noop_processor``) shows what the two round trips
 alone cost, so the figure above it is the price of admission itself.
 
 Processor on core 0, this client on core 1 (``taskset``) when there are two cores.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import sys
 import tempfile
 import time
@@ -33,49 +32,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc
 import orjson
 
-from benchmarks import extproc_wire as wire
-from benchmarks.report import fmt, percentile, ratio, table, verdict
-from benchmarks.rig import (
+from loadlab import wire
+from loadlab.figures import fmt, percentile, ratio, table, verdict
+from loadlab.grpc_load import cores
+from loadlab.machine import pin_self
+from loadlab.procs import StopStack
+from loadlab.prompts import prompt_of_tokens
+from loadlab.redis_server import RedisServer
+from loadlab.rig import (
     BENCH_KEY,
     MODEL,
-    pin_self,
     start_billing_processor,
     start_noop_processor,
     write_bench_config,
 )
-from extproc.tokens.encodings import load_tokenizer
-from extproc.tokens.prompt import count_prompt_tokens
-from extproc.tokens.registry import TokenizerRegistry
-from tests.support.redis_server import RedisServer
 
 TARGET_P99_MS = 2.0
 PROMPT_TOKENS = 4096
-PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
-# Varied text: Latin, digits, accents, CJK and Hangul, so the BPE does real work.
-WORDS = (
-    "quota", "budget", "token", "stream", "gateway", "envoy", "processor", "window", "limit",
-    "tenant", "model", "request", "response", "latency", "admission", "settlement", "lease",
-    "batch", "counter", "redis", "script", "atomic", "refund", "commit", "charge",
-    "delivered", "reserved", "upstream", "downstream", "client", "server", "header", "body",
-    "chunk", "event", "parse", "encode", "decode", "language", "sentence", "paragraph",
-    "story", "river", "mountain", "forest", "city", "number", "2024", "42", "3.14", "résumé",
-    "naïve", "café", "東京", "데이터", "données", "función",
-)  # fmt: skip
-
-
-def four_k_prompt(tokens: int = PROMPT_TOKENS, seed: int = 4) -> tuple[str, int]:
-    """Varied text whose chat request counts ``tokens`` prompt tokens (± a few)."""
-    rng = random.Random(seed)
-    encoding = load_tokenizer("o200k_base")
-    words: list[str] = []
-    while len(encoding.encode(" ".join(words))) < tokens - 8:  # chat framing adds ~7
-        words.extend(rng.choice(WORDS) + rng.choice(("", "", ",", ".")) for _ in range(64))
-    text = " ".join(words)
-    ids = encoding.encode(text)[: tokens - 8]
-    text = encoding.decode(ids)
-    registry = TokenizerRegistry.from_config([{"match": MODEL, "tokenizer": "o200k_base"}])
-    payload = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
-    return text, count_prompt_tokens(payload, registry.counter_for(MODEL))
 
 
 async def admissions(
@@ -87,7 +60,7 @@ async def admissions(
     verdict_ms: list[float] = []
     refused = 0
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        process = channel.stream_stream(PROCESS_METHOD)
+        process = channel.stream_stream(wire.PROCESS_METHOD)
         queue = iter(range(n))
 
         async def worker() -> None:
@@ -160,27 +133,23 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="in flight for the 2nd run")
     args = parser.parse_args()
     n = 300 if args.quick else args.n
-    pin = (os.cpu_count() or 1) >= 2
-    server_cpus, client_cpus = ("0", "1") if pin else (None, None)
+    server_cpus, client_cpus = cores()
     pin_self(client_cpus)
 
-    prompt, prompt_tokens = four_k_prompt()
+    prompt, prompt_tokens = prompt_of_tokens(PROMPT_TOKENS)
     body = orjson.dumps(
         {"model": MODEL, "stream": True, "max_tokens": 256, "messages": [
             {"role": "user", "content": prompt}
         ]}
     )  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix="bench-admission-"))
-    stoppers = []
     rows = []
-    try:
-        redis = RedisServer.start(workdir / "redis")
-        stoppers.append(redis.stop)
+    with StopStack() as stops:
+        redis = stops.push(RedisServer.start(workdir / "redis"))
         noop, noop_port = start_noop_processor(workdir, server_cpus)
-        stoppers.append(noop.stop)
+        stops.push(noop)
         config = write_bench_config(workdir / "quota.yaml", redis.url)
-        billing = start_billing_processor(config, workdir, redis.url, server_cpus)
-        stoppers.append(billing.stop)
+        billing = stops.push(start_billing_processor(config, workdir, redis.url, server_cpus))
         print(
             f"admission latency: {prompt_tokens}-token chat prompt ({len(body):,} bytes), "
             f"{n} requests per run, processor on core {server_cpus}, client on core "
@@ -212,9 +181,6 @@ def main() -> None:
                 )
         metrics = billing.metrics()
         inside = asyncio.run(in_process(config, body, n))
-    finally:
-        for stop in reversed(stoppers):
-            stop()
 
     print()
     print(

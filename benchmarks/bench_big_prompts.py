@@ -64,24 +64,16 @@ import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from benchmarks import extproc_wire as wire
-from benchmarks.bench_admission import WORDS
-from benchmarks.report import fmt, percentile, table, verdict
-from benchmarks.rig import (
-    BENCH_KEY,
-    BENCH_TENANT,
-    MODEL,
-    MODELS,
-    ROOMY,
-    bootstrap,
-    upstream_sent_at,
-)
+from loadlab import wire
 from loadlab.client import TimedStream, chat_request, timed_stream
+from loadlab.figures import fmt, percentile, table, verdict
+from loadlab.gateway import Envoy, Processor, grpc_serving, key_hash, write_config
+from loadlab.procs import ManagedProcess, StopStack, free_port
+from loadlab.prompts import text_of_bytes
+from loadlab.redis_server import RedisServer
+from loadlab.rig import BENCH_KEY, BENCH_TENANT, MODEL, MODELS, ROOMY, bootstrap, upstream_sent_at
+from loadlab.simulator import Simulator
 from stack.envoy import EnvoyPorts
-from tests.support.gateway import Envoy, Processor, grpc_serving, key_hash, write_config
-from tests.support.procs import ManagedProcess, free_port
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RISE_MS = 1.0
@@ -98,19 +90,6 @@ KINDS = {"gpt-4.1": "tiktoken o200k", "open-mistral-7b": "sentencepiece", "bench
 
 
 # --- the prompt ------------------------------------------------------------------------
-
-
-def big_text(target_bytes: int, ascii_only: bool, seed: int = 10) -> str:
-    """Varied words (Latin, digits, accents, CJK, Hangul unless ``ascii_only``)."""
-    rng = random.Random(seed)
-    words = [w for w in WORDS if w.isascii()] if ascii_only else list(WORDS)
-    parts: list[str] = []
-    size = 0
-    while size < target_bytes:
-        word = rng.choice(words) + rng.choice(("", "", ",", "."))
-        parts.append(word)
-        size += len(word.encode()) + 1
-    return " ".join(parts)
 
 
 def image_body(model: str, target_bytes: int) -> bytes:
@@ -197,7 +176,7 @@ def stage_costs(config_path: Path, prompt_bytes: int, ascii_only: bool, reps: in
 
     config = load_config(config_path)
     registry = TokenizerRegistry(tokenizer_rules(config))
-    text = big_text(prompt_bytes, ascii_only)
+    text = text_of_bytes(prompt_bytes, ascii_only)
     raw = big_body("gpt-4.1", text)
     print(
         f"\nStages of one big admission, in this process: {len(raw):,}-byte chat body, "
@@ -328,7 +307,7 @@ async def _admission_stalls(config_path: Path, bodies: dict[str, bytes], n: int)
 def admission_stalls(config_path: Path, prompt_bytes: int, ascii_only: bool, n: int) -> None:
     """Whole admissions of a big prompt by the processor's own Session, in this process, with
     a probe task on the same loop: how long the loop could not run during each one."""
-    text = big_text(prompt_bytes, ascii_only)
+    text = text_of_bytes(prompt_bytes, ascii_only)
     bodies = {model: big_body(model, text) for model in KINDS}
     rows = asyncio.run(_admission_stalls(config_path, bodies, n))
     print(
@@ -384,7 +363,7 @@ def handoff_costs(config_path: Path, ascii_only: bool, reps: int) -> None:
     from extproc.tokens.registry import TokenizerRegistry
 
     registry = TokenizerRegistry(tokenizer_rules(load_config(config_path)))
-    rows = asyncio.run(_handoff_rows(registry, big_text(300_000, ascii_only), reps))
+    rows = asyncio.run(_handoff_rows(registry, text_of_bytes(300_000, ascii_only), reps))
     print("\nThe thread hop, by text size (characters). ms, medians.\n")
     print(table(["tokenizer", "chars", "on the loop", "hop: loop CPU", "hop: request waits"], rows))
 
@@ -404,7 +383,7 @@ def slice_costs(config_path: Path, prompt_bytes: int, ascii_only: bool) -> None:
     config = load_config(config_path)
     tok = TokenizerRegistry(tokenizer_rules(config)).counter_for("bench-estimator")
     body = parse_model_request(
-        "chat", big_body("bench-estimator", big_text(prompt_bytes, ascii_only)), config
+        "chat", big_body("bench-estimator", text_of_bytes(prompt_bytes, ascii_only)), config
     ).body
     steps = run_through(prompt_texts(body, tok)).tally.total_steps(ESTIMATOR_STEP_CHARS)
     gaps: list[float] = []
@@ -618,7 +597,6 @@ class EnvoyDriver:
         pass
 
 
-PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 JSON_RESPONSE_HEADERS = pb.ProcessingRequest(
     response_headers=pb.HttpHeaders(
         headers=base_pb2.HeaderMap(
@@ -647,16 +625,13 @@ class GrpcDriver:
 
         if port not in self.channels:
             self.channels[port] = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        return self.channels[port].stream_stream(PROCESS_METHOD)()
+        return self.channels[port].stream_stream(wire.PROCESS_METHOD)()
 
     async def streams(
         self, route: Route, streams: int, tokens: int, itl_s: float, tag: str
     ) -> tuple[list[float], int]:
-        body = wire.chat_body("Write a long story about token budgets.", tokens)
-        request_body = wire.request_body(body).SerializeToString()
-        response_headers = wire.sse_response_headers().SerializeToString()
-        chunk = wire.response_body(wire.token_chunk(" word")).SerializeToString()
-        tail = wire.response_body(wire.stream_tail(16, tokens), True).SerializeToString()
+        exchange = wire.Exchange("Write a long story about token budgets.", tokens)
+        chunk, tail = exchange.chunk, exchange.tail(tokens)
         rng = random.Random(streams)
         lateness: list[float] = []
         failed = 0
@@ -665,16 +640,10 @@ class GrpcDriver:
             nonlocal failed
             await asyncio.sleep(rng.uniform(0, itl_s))
             call = self._call(route.port)
-            headers = wire.request_headers(BENCH_KEY, f"{tag}-{route.name}-{index}", len(body))
-            await call.write(headers.SerializeToString())
-            await call.read()
-            await call.write(request_body)
-            if wire.verdict_kind(wire.response(await call.read())) != "request_body":
+            rid = f"{tag}-{route.name}-{index}"
+            if not await wire.open_stream(call, exchange, BENCH_KEY, rid):
                 failed += 1
-                await call.done_writing()
                 return
-            await call.write(response_headers)
-            await call.read()
             loop = asyncio.get_running_loop()
             start = loop.time()
             mine: list[float] = []
@@ -1011,10 +980,8 @@ def main() -> None:
         admission_stalls(config, args.prompt_bytes, args.ascii, 3 if args.quick else 10)
     if args.no_gateway:
         return
-    stoppers: list[Callable[[], int]] = []  # stop by PID, newest first
-    try:
-        redis = RedisServer.start(workdir / "redis")
-        stoppers.append(redis.stop)
+    with StopStack() as stops:  # stop by PID, newest first
+        redis = stops.push(RedisServer.start(workdir / "redis"))
         processors: list[tuple[str, Processor]] = []
         lag_files: dict[str, Path] = {}
         checkouts = [("this-checkout", ROOT)]
@@ -1024,7 +991,7 @@ def main() -> None:
             # Own key prefix each: the two never share a counter in the one Redis.
             config = write_big_config(workdir / f"{name}.yaml", redis.url, f"tq-{name}")
             processor, lag_files[name] = start_processor(name, checkout, config, workdir)
-            stoppers.append(processor.stop)
+            stops.push(processor)
             processors.append((name, processor))
         driver: Driver
         if args.level == "grpc":
@@ -1039,15 +1006,15 @@ def main() -> None:
                 "--time-to-first-token", "0ms",
                 log_dir=workdir,
             )  # fmt: skip
-            stoppers.append(sim.stop)
+            stops.push(sim)
             sink, sink_port = start_sink(workdir)
-            stoppers.append(sink.stop)
+            stops.push(sink)
             routes = []
             for name, processor in processors:
                 envoy, access_log = start_envoy_with_sink(
                     workdir, processor.port, sim.port, sink_port, name
                 )
-                stoppers.append(envoy.stop)
+                stops.push(envoy)
                 routes.append(Route(name, envoy.ports.listen, access_log))
                 if args.floor and name == "this-checkout":
                     routes.append(
@@ -1057,7 +1024,7 @@ def main() -> None:
         if args.image:
             body = image_body(args.big_model, args.prompt_bytes)
         else:
-            body = big_body(args.big_model, big_text(args.prompt_bytes, args.ascii))
+            body = big_body(args.big_model, text_of_bytes(args.prompt_bytes, args.ascii))
         print(
             f"\n{args.level} level: {args.streams} streams, ITL {args.itl_ms:g} ms, "
             f"{args.tokens} tokens, {rounds} rounds; big prompts ({KINDS[args.big_model]}, "
@@ -1083,9 +1050,6 @@ def main() -> None:
             metrics = processor.metrics()
             print(f"{name}: {int(metrics.get('extproc_requests_admitted_total', 0)):,} admitted")
         print(f"load average at the end {os.getloadavg()[0]:.1f}")
-    finally:
-        for stop in reversed(stoppers):
-            stop()
 
 
 if __name__ == "__main__":

@@ -22,15 +22,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import fmt, percentile, verdict
-from tests.gateway.conftest import processor_config, tenant_key
-from tests.support.gateway import http_get, start_gateway, write_config
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
-from tests.support.sse_client import stream_http1
+from loadlab.figures import fmt, percentile, verdict
+from loadlab.gateway import http_get, key_hash, start_gateway, write_config
+from loadlab.procs import StopStack
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
+from loadlab.sse_client import stream_http1
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_MS = 50.0
+
+
+def tenant_key(name: str) -> str:
+    return f"sk-bench-{name}"
 
 
 def aborts(sim: Simulator) -> int:
@@ -51,17 +55,30 @@ def main() -> None:
         f"cut{i}": {"limits": {"*": {"tpm": 300}}, "batch_tokens": 32, "window_s": 3600}
         for i in range(args.runs)
     }
-    redis = RedisServer.start(workdir / "redis")
-    sim = Simulator(
-        ROOT / "simulator_profiles" / "fast.yaml", "--inter-token-latency", "4ms", log_dir=workdir
-    )
-    models = {"gpt-4.1": {"tokenizer": "o200k_base", "max_tokens": 4096}}
-    config = write_config(
-        workdir / "quota.yaml", processor_config(tenants, redis_url=redis.url, models=models)
-    )
-    gateway = start_gateway(config, workdir, [sim.port])
     delays: list[float] = []
-    try:
+    with StopStack() as stops:
+        redis = stops.push(RedisServer.start(workdir / "redis"))
+        sim = stops.push(
+            Simulator(
+                ROOT / "simulator_profiles" / "fast.yaml",
+                "--inter-token-latency",
+                "4ms",
+                log_dir=workdir,
+            )
+        )
+        config = write_config(
+            workdir / "quota.yaml",
+            {
+                "redis_url": redis.url,
+                "models": {"gpt-4.1": {"tokenizer": "o200k_base", "max_tokens": 4096}},
+                "plans": tenants,  # a plan per tenant, of its name
+                "tenants": {
+                    name: {"plan": name, "key_sha256": [key_hash(tenant_key(name))]}
+                    for name in tenants
+                },
+            },
+        )
+        gateway = stops.push(start_gateway(config, workdir, [sim.port]))
         request = {
             "model": "gpt-4.1",
             "stream": True,
@@ -83,10 +100,6 @@ def main() -> None:
                 if time.perf_counter() - ended > 5:
                     raise SystemExit(f"run {i}: no abort within 5 s")
             delays.append((time.perf_counter() - ended) * 1000)
-    finally:
-        gateway.stop()
-        sim.stop()
-        redis.stop()
     p50, p99 = percentile(delays, 50), percentile(delays, 99)
     print(
         f"cut-off → simulator abort over {args.runs} runs: p50 {fmt(p50, 2)} ms, "

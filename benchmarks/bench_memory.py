@@ -68,23 +68,21 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import extproc_wire as wire
-from benchmarks.bench_processor_throughput import PROCESS_METHOD, PROMPT, PROMPT_TOKENS, all_settled
-from benchmarks.report import fmt, ratio, table, verdict
-from benchmarks.rig import (
+from loadlab import wire
+from loadlab.figures import fmt, ratio, table, verdict
+from loadlab.gateway import key_hash, wait_until, write_config
+from loadlab.grpc_load import BATCH, all_settled, cores
+from loadlab.machine import cpu_seconds, pin_self, status_kib
+from loadlab.procs import ManagedProcess, StopStack
+from loadlab.redis_server import RedisServer
+from loadlab.rig import (
     BENCH_KEY,
     ROOT,
-    cpu_seconds,
-    pin_self,
     start_billing_processor,
     start_noop_processor,
     write_bench_config,
 )
-from tests.support.gateway import key_hash, wait_until, write_config
-from tests.support.procs import ManagedProcess
-from tests.support.redis_server import RedisServer
 
-BATCH = 32
 TIGHT_TENANT = "tight"
 TIGHT_KEY = "sk-bench-tight"
 TARGET_GROWTH = 0.05
@@ -149,18 +147,12 @@ def snapshot(pid: int, directory: Path, n: int, timeout_s: float = 300.0) -> Pat
 
 def rss_kib(pid: int) -> int:
     """Resident set size of a process (VmRSS, KiB)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    return status_kib(pid, "VmRSS")
 
 
 def hwm_kib(pid: int) -> int:
     """Peak resident set size so far (VmHWM, KiB)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmHWM for pid {pid}")
+    return status_kib(pid, "VmHWM")
 
 
 def steady_rss(pid: int, settle_s: float = 2.0, samples: int = 5, every_s: float = 0.5) -> int:
@@ -204,43 +196,18 @@ class SoakPlan:
     cpus: str | None
 
 
-class _Wire:
-    """The serialised messages every stream sends (built once per client process)."""
-
-    def __init__(self, max_tokens: int) -> None:
-        self.body = wire.chat_body(PROMPT, max_tokens)
-        self.request_body = wire.request_body(self.body).SerializeToString()
-        self.response_headers = wire.sse_response_headers().SerializeToString()
-        self.chunk = wire.response_body(wire.token_chunk(" word")).SerializeToString()
-
-    def headers(self, key: str, rid: str) -> bytes:
-        return wire.request_headers(key, rid, len(self.body)).SerializeToString()
-
-    @staticmethod
-    def tail(tokens: int) -> bytes:
-        return wire.response_body(
-            wire.stream_tail(PROMPT_TOKENS, tokens), end_of_stream=True
-        ).SerializeToString()
-
-
 def _ends_stream(raw: bytes) -> bool:
     """The processor's answer to a body message ends the client's response (a cut-off)."""
     body = wire.response(raw).response_body.response.body_mutation
     return body.HasField("streamed_response") and body.streamed_response.end_of_stream
 
 
-async def _open(call: Any, w: _Wire, key: str, rid: str) -> bool:
+async def _open(call: Any, w: wire.Exchange, key: str, rid: str) -> bool:
     """Headers, body (admission), response headers; False if admission refused."""
-    await call.write(w.headers(key, rid))
-    await call.read()
-    await call.write(w.request_body)
-    if wire.verdict_kind(wire.response(await call.read())) != "request_body":
-        await call.done_writing()
-        await call.code()
-        return False
-    await call.write(w.response_headers)
-    await call.read()
-    return True
+    if await wire.open_stream(call, w, key, rid):
+        return True
+    await call.code()
+    return False
 
 
 async def _hold(
@@ -248,13 +215,13 @@ async def _hold(
 ) -> None:
     import grpc
 
-    w = _Wire(max_tokens=1024)
+    w = wire.Exchange(wire.PROMPT, max_tokens=1024)
     rng = random.Random(plan.index)
     opening = asyncio.Semaphore(plan.opening)
     i = plan.index
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{plan.port}") as channel:
-        process = channel.stream_stream(PROCESS_METHOD)
+        process = channel.stream_stream(wire.PROCESS_METHOD)
 
         async def one(rid: str, finish: asyncio.Event) -> None:
             call = process()
@@ -326,13 +293,13 @@ def hold_main(
 async def _soak(plan: SoakPlan, counts: Any, stop: Any) -> None:
     import grpc
 
-    w = _Wire(max_tokens=plan.tokens + 16)
+    w = wire.Exchange(wire.PROMPT, max_tokens=plan.tokens + 16)
     rng = random.Random(plan.tag + str(plan.index))
     base = plan.index * len(OUTCOMES)
     slot_of = {name: base + k for k, name in enumerate(OUTCOMES)}
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{plan.port}") as channel:
-        process = channel.stream_stream(PROCESS_METHOD)
+        process = channel.stream_stream(wire.PROCESS_METHOD)
 
         async def one(rid: str, key: str, cancel_at: int | None) -> str:
             call = process()
@@ -675,19 +642,16 @@ def main() -> None:
     if args.soak_s is None:
         args.soak_s = 60.0 if args.quick else 600.0
     args.levels = sorted(int(x) for x in args.levels.split(","))
-    pin = (os.cpu_count() or 1) >= 2
-    server_cpus, client_cpus = ("0", "1") if pin else (None, None)
+    server_cpus, client_cpus = cores()
 
     began = time.monotonic()
     load_start = os.getloadavg()
     workdir = Path(tempfile.mkdtemp(prefix="bench-memory-"))
-    stoppers: list[Callable[[], Any]] = []
     tpm = tight_tpm(args)
-    try:
-        redis_server = RedisServer.start(workdir / "redis")
-        stoppers.append(redis_server.stop)
+    with StopStack() as stops:
+        redis_server = stops.push(RedisServer.start(workdir / "redis"))
         redis_client = redis.Redis(host="127.0.0.1", port=redis_server.port)
-        stoppers.append(redis_client.close)
+        stops.call(redis_client.close)
         saved = {
             k: os.environ.get(k) for k in ("PYTHONPATH", "BENCH_PROBE_DIR", "BENCH_TRACEMALLOC")
         }
@@ -703,10 +667,10 @@ def main() -> None:
         try:
             noop: ManagedProcess
             noop, noop_port = start_noop_processor(workdir, server_cpus)
-            stoppers.append(noop.stop)
+            stops.push(noop)
             config = write_config_with_tight(workdir / "quota.yaml", redis_server.url, tpm)
             billing = start_billing_processor(config, workdir, redis_server.url, server_cpus)
-            stoppers.append(billing.stop)
+            stops.push(billing)
         finally:
             for name, value in saved.items():
                 if value is None:
@@ -761,9 +725,6 @@ def main() -> None:
                 os.kill(pid, signal.SIGHUP)  # start tracing, before the soak's warm-up
                 probe = lambda n: snapshot(pid, probe_dir, n)  # noqa: E731
             result = soak(port, pid, metrics, redis_client, args, client_cpus, probe)
-    finally:
-        for stop in reversed(stoppers):
-            stop()
     if held:
         report_levels(started, held, held_errors, held_metrics, args, hold_s)
     if result is not None:

@@ -1,7 +1,7 @@
 """What metrics and tracing cost per body message: the processor without them, with metrics
 (tracing off, the default), and with tracing on, side by side in one run.
 
-The per-chunk load of ``bench_processor_throughput`` (client processes playing Envoy, one
+The per-chunk load of ``bench_processor_throughput`` (``loadlab.grpc_load``: Envoy's part, one
 FDX body message per token, the processor pinned to core 0 and the clients to core 1)
 against three processors:
 
@@ -34,12 +34,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_processor_throughput import BATCH, Phase, run_phase
-from benchmarks.report import fmt, ratio, table
-from benchmarks.rig import ROOT, pinned, write_bench_config
-from tests.support.gateway import grpc_serving
-from tests.support.procs import ManagedProcess, free_port
-from tests.support.redis_server import RedisServer
+from loadlab.figures import fmt, ratio, table
+from loadlab.gateway import grpc_serving
+from loadlab.grpc_load import BATCH, Phase, cores, load_args, load_arguments, run_phase
+from loadlab.machine import pinned
+from loadlab.procs import ManagedProcess, StopStack, free_port
+from loadlab.redis_server import RedisServer
+from loadlab.rig import ROOT, write_bench_config
 
 # The last commit before the processor had prometheus_client metrics and tracing.
 BASELINE_REF = "3b2c2bf"
@@ -92,20 +93,11 @@ def start_processor(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--quick", action="store_true", help="shorter measurement")
-    parser.add_argument("--clients", type=int, default=2)
-    parser.add_argument("--streams", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--window", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--warmup", type=float, default=3.0)
+    load_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline-ref", default=BASELINE_REF)
-    args = parser.parse_args()
-    if args.quick:
-        args.seconds, args.warmup = 4.0, 2.0
-    pin = (os.cpu_count() or 1) >= 2
-    server_cpus, client_cpus = ("0", "1") if pin else (None, None)
+    args = load_args(parser)
+    server_cpus, client_cpus = cores()
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-observability-"))
     baseline_tree = workdir / "baseline"
@@ -114,18 +106,16 @@ def main() -> None:
          args.baseline_ref],
         check=True, capture_output=True,
     )  # fmt: skip
-    stoppers: list[Any] = [
-        lambda: subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline_tree)],
-            check=False,
-            capture_output=True,
+    with StopStack() as stops:
+        stops.call(
+            lambda: subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline_tree)],
+                check=False,
+                capture_output=True,
+            )
         )
-    ]
-    sink = Sink()
-    stoppers.append(sink.stop)
-    try:
-        redis = RedisServer.start(workdir / "redis")
-        stoppers.append(redis.stop)
+        sink = stops.push(Sink())
+        redis = stops.push(RedisServer.start(workdir / "redis"))
         config = write_bench_config(workdir / "quota.yaml", redis.url, batch_tokens=BATCH)
         tracing_env = {
             "OTEL_TRACES_EXPORTER": "otlp",
@@ -138,7 +128,7 @@ def main() -> None:
             ("tracing", ROOT, tracing_env),
         ):
             process, port = start_processor(cwd, config, workdir, server_cpus, env)
-            stoppers.append(process.stop)
+            stops.push(process)
             processors.append((name, process, port))
         print(
             f"observability cost: {args.clients} clients × {args.streams} streams, "
@@ -156,9 +146,6 @@ def main() -> None:
                     flush=True,
                 )
             rounds.append(phases)
-    finally:
-        for stop in reversed(stoppers):
-            stop()
     rows = []
     for name in ("baseline", "metrics", "tracing"):
         per_cpu = [r[name].per_cpu_s for r in rounds]

@@ -129,7 +129,7 @@ def main() -> None:
                 *(f"{median[s] / base:.3f}" for s in list(stages)[1:]),
             ]
         )
-    from benchmarks.report import table
+    from loadlab.figures import table
 
     head = ["body", "orjson.loads", "check / loads", "dumps / loads", "json pairs / loads",
             "prompt walk / loads"]  # fmt: skip

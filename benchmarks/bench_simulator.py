@@ -13,42 +13,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loadlab.machine import cpu_seconds
+from loadlab.simulator import PROFILES_DIR, Simulator
+
 TARGET_EVENTS_PER_S = 20_000
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
-
-
-def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llmsim exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError("llmsim did not become healthy")
 
 
 async def _one_stream(port: int, body: bytes) -> tuple[int, int]:
@@ -101,25 +76,20 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--tokens", type=int, default=400, help="tokens per streamed answer")
-    parser.add_argument("--profile", default=str(REPO / "simulator_profiles" / "fast.yaml"))
+    parser.add_argument("--profile", default=str(PROFILES_DIR / "fast.yaml"))
     args = parser.parse_args()
 
-    port = _free_port()
-    log_path = Path(tempfile.mkdtemp(prefix="llmsim-bench-")) / "llmsim.log"
-    log = log_path.open("wb")
-    argv = [sys.executable, "-m", "llmsim", "--config", args.profile, "--port", str(port)]
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    sim = Simulator(args.profile, log_dir=Path(tempfile.mkdtemp(prefix="llmsim-bench-")))
     try:
-        _wait_healthy(port, proc)
-        cpu_before = _cpu_seconds(proc.pid)
+        cpu_before = cpu_seconds(sim.pid)
         started = time.monotonic()
-        events, size, requests = asyncio.run(_drive(port, args.streams, args.seconds, args.tokens))
+        events, size, requests = asyncio.run(
+            _drive(sim.port, args.streams, args.seconds, args.tokens)
+        )
         wall = time.monotonic() - started
-        cpu = _cpu_seconds(proc.pid) - cpu_before
+        cpu = cpu_seconds(sim.pid) - cpu_before
     finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
+        sim.stop()
 
     per_wall = events / wall
     per_cpu = events / cpu if cpu > 0 else float("inf")

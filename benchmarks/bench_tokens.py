@@ -7,16 +7,21 @@ tokenising the same text once. Run: ``.venv/bin/python benchmarks/bench_tokens.p
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from extproc.tokens.incremental import IncrementalCounter
 from extproc.tokens.model_tokenizer import ModelTokenizer
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
+from loadlab.figures import percentile
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "tokens" / "corpus_mixed.txt"
 
@@ -50,11 +55,6 @@ def chat_request(tok: ModelTokenizer, target_tokens: int = 4096) -> dict:
     return {"model": "bench", "messages": messages}
 
 
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def bench_prompt(name: str, tok: ModelTokenizer, runs: int = 400) -> None:
     body = chat_request(tok)
     tokens = count_prompt_tokens(body, tok)
@@ -68,7 +68,7 @@ def bench_prompt(name: str, tok: ModelTokenizer, runs: int = 400) -> None:
     target = "  (target p50 <= 1 ms)" if tok.kind == "tiktoken" else ""
     print(
         f"prompt  {name:<14} {tokens:>5} tokens, {len(body['messages']):>3} msgs: "
-        f"p50 {statistics.median(samples):.3f} ms  p99 {percentile(samples, 0.99):.3f} ms  "
+        f"p50 {statistics.median(samples):.3f} ms  p99 {percentile(samples, 99):.3f} ms  "
         f"best {min(samples):.3f} ms{target}"
     )
 
@@ -117,6 +117,7 @@ def token_deltas(text: str, tok: ModelTokenizer) -> list[str]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n", 1)[0]).parse_args()
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     registry = TokenizerRegistry.from_config(None)
     models = {

@@ -8,7 +8,7 @@ backend uses for each topology: ``RespConnection`` (``redis://``), ``ClusterConn
 before). ``concurrency`` calls are in flight; the keys spread over 64 tenants, so every
 master of the cluster gets its share. Rounds alternate between the variants, so load on
 the machine affects all alike; the processor's CPU time (``time.process_time``) per call
-is summed over the rounds. Servers are started here (tests/support) on free ports and
+is summed over the rounds. Servers are started here (loadlab) on free ports and
 stopped by PID.
 
     python benchmarks/bench_topologies.py [--calls 20000] [--concurrency 16] [--rounds 5]
@@ -35,8 +35,8 @@ from extproc.quota.factory import backend_from_url
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.quota.resp import Script
 from extproc.quota.topology import build_client, parse_redis_url
-from tests.support.redis_cluster import RedisClusterSet, SentinelSet
-from tests.support.redis_server import RedisServer
+from loadlab.redis_cluster import RedisClusterSet, SentinelSet
+from loadlab.redis_server import RedisServer
 
 SCRIPT = Script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
 KEYS = [f"bench:{{t{i}}}:k" for i in range(64)]  # tenants over every slot range

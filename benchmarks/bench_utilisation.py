@@ -176,7 +176,7 @@ class Load:
 
 async def one_request(host: str, port: int, api_key: str, body: bytes, load: Load) -> Outcome:
     """POST over a raw HTTP/1.1 socket, keep every byte that arrived; count streams in flight."""
-    from tests.support.sse_client import dechunk, parse_events
+    from loadlab.sse_client import dechunk, parse_events
 
     request_id = str(uuid.uuid4())
     head = (
@@ -448,12 +448,12 @@ def main() -> None:
 
     import redis as redis_lib
 
-    from benchmarks.report import table, verdict
-    from benchmarks.rig import MODELS, start_billing_processor
-    from tests.support.gateway import Envoy, http_get, key_hash, wait_until, write_config
-    from tests.support.procs import ManagedProcess, free_port
-    from tests.support.redis_server import RedisServer
-    from tests.support.simulator import profile_path
+    from loadlab.figures import table, verdict
+    from loadlab.gateway import Envoy, http_get, key_hash, wait_until, write_config
+    from loadlab.procs import ManagedProcess, free_port
+    from loadlab.redis_server import RedisServer
+    from loadlab.rig import MODELS, start_billing_processor
+    from loadlab.simulator import profile_path
 
     try:
         profile = profile_path(args.profile)

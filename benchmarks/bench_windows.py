@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis.asyncio as aioredis
 
-from benchmarks.report import fmt, ratio, table
 from extproc.quota import keys
 from extproc.quota.base import AdmitRequest, Counter
 from extproc.quota.redis_backend import TEST_CLOCK_ENV, RedisQuotaBackend
-from tests.support.redis_server import RedisServer
+from loadlab.figures import fmt, ratio, table
+from loadlab.redis_server import RedisServer
 
 BIG = 10**12
 PROMPT, OUTPUT = 100, 40

@@ -1,6 +1,6 @@
 """Body messages/s through ``extproc serve`` with 1 worker and with 2 workers on one port.
 
-The clients are bench_processor_throughput.py's (``client_main``: processes playing Envoy on
+The clients are bench_processor_throughput.py's (``loadlab.grpc_load``: processes playing Envoy on
 the gRPC Process stream, one FDX body message per token, billing on, a real redis-server),
 run against a plain processor (``--workers 1``) and then against ``--workers 2``: two
 worker processes sharing one port with SO_REUSEPORT, behind one supervisor.
@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.sharedctypes import SynchronizedArray
 from pathlib import Path
@@ -42,13 +41,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_processor_throughput import BATCH, ClientPlan, all_settled, client_main
-from benchmarks.report import fmt, ratio, table
-from benchmarks.rig import ROOT, cpu_seconds, pinned, write_bench_config
-from tests.support.gateway import grpc_serving, http_get, wait_until
-from tests.support.metrics import parse_metrics
-from tests.support.procs import ManagedProcess, free_port, free_port_run
-from tests.support.redis_server import RedisServer
+from loadlab.figures import fmt, ratio, table
+from loadlab.gateway import grpc_serving, http_get, wait_until
+from loadlab.grpc_load import (
+    BATCH,
+    ClientPlan,
+    all_settled,
+    client_main,
+    load_args,
+    load_arguments,
+)
+from loadlab.machine import busy_jiffies, cpu_seconds, pinned
+from loadlab.metrics import parse_metrics
+from loadlab.procs import ManagedProcess, StopStack, free_port, free_port_run
+from loadlab.redis_server import RedisServer
+from loadlab.rig import ROOT, write_bench_config
 
 MAX_REDIALS = 40  # clients restarted to balance connections, per phase
 
@@ -210,10 +217,8 @@ class Phase:
 
 
 def machine_busy_s() -> float:
-    """CPU-seconds every core spent busy so far (all processes, steal included): /proc/stat."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait; guest time is already in user
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    """CPU-seconds every core spent busy so far (all processes, steal included)."""
+    return busy_jiffies()[0] / os.sysconf("SC_CLK_TCK")
 
 
 def _sum_cpu(pids: list[int]) -> float:
@@ -304,27 +309,15 @@ def run_phase(served: Served, redis_pid: int, args: argparse.Namespace, client_c
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--quick", action="store_true", help="shorter measurement")
-    parser.add_argument("--clients", type=int, default=2, help="client processes (even)")
-    parser.add_argument("--streams", type=int, default=64, help="concurrent streams per client")
-    parser.add_argument("--tokens", type=int, default=256, help="token chunks per response")
-    parser.add_argument(
-        "--window", type=int, default=4, help="unanswered body messages per stream (FDX)"
-    )
-    parser.add_argument("--seconds", type=float, default=8.0, help="measured interval")
-    parser.add_argument("--warmup", type=float, default=3.0, help="seconds before measuring")
-    args = parser.parse_args()
-    if args.quick:
-        args.seconds, args.warmup = 4.0, 2.0
+    load_arguments(parser, clients="client processes (even)")
+    args = load_args(parser)
     if (os.cpu_count() or 1) < 2 or not hasattr(os, "sched_setaffinity"):
         raise SystemExit("needs 2 cores and sched_setaffinity (Linux)")
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-workers-"))
-    stoppers: list[Callable[[], object]] = []
     phases: list[Phase] = []
-    try:
-        redis = RedisServer.start(workdir / "redis")
-        stoppers.append(redis.stop)
+    with StopStack() as stops:
+        redis = stops.push(RedisServer.start(workdir / "redis"))
         config = write_bench_config(workdir / "quota.yaml", redis.url, batch_tokens=BATCH)
         print(
             f"workers: {args.clients} client processes × {args.streams} streams, {args.tokens} "
@@ -334,7 +327,7 @@ def main() -> None:
         )
         for workers, client_cpus in ((1, "1"), (2, "0,1")):
             served = serve(config, redis.url, workers, workdir)
-            stoppers.append(served.process.stop)
+            stops.push(served.process)
             phases.append(run_phase(served, redis.pid, args, client_cpus))
             print(f"  {workers} worker(s): {phases[-1].per_s:,.0f} msg/s", flush=True)
             # Every stream ended: wait for the spawned settlements before stopping.
@@ -342,9 +335,6 @@ def main() -> None:
                 lambda s=served: all(all_settled(m) for m in s.worker_metrics()), timeout_s=15
             )
             served.process.stop(timeout_s=30)
-    finally:
-        for stop in reversed(stoppers):
-            stop()
     report(phases)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
 

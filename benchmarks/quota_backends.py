@@ -23,7 +23,8 @@ from extproc.quota.base import AdmitRequest, Counter, QuotaBackend
 from extproc.quota.keys import counter_key, reservation_key
 from extproc.quota.memory_backend import MemoryQuotaBackend
 from extproc.quota.redis_backend import RedisQuotaBackend
-from tests.support.redis_server import RedisServer
+from loadlab.figures import percentile
+from loadlab.redis_server import RedisServer
 
 BIG = 10**12
 
@@ -39,8 +40,8 @@ def counters(tenant: str) -> tuple[Counter, tuple[Counter, ...]]:
 
 
 def pct(samples: list[float], p: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] * 1000
+    """The percentile in ms of samples in seconds."""
+    return percentile(samples, p) * 1000
 
 
 async def sequential(backend: QuotaBackend, n: int, tag: str) -> dict[str, list[float]]:

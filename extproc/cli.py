@@ -41,19 +41,21 @@ def _configure_logging(level: str, worker: int | None = None) -> None:
     )
 
 
-TOOLS_MODULES = ("rich", "matplotlib")
+# ``extproc bench`` and ``extproc chaos`` are the lab's (token-quota-lab, lab/pyproject.toml):
+# loadlab and what it draws with.
+LAB_MODULES = ("loadlab", "rich", "matplotlib")
 
 
 def _tool(name: str, argv: list[str]) -> int:
-    """A tool sub-command, imported only when asked for: ``serve`` never loads rich or
-    matplotlib, and an install without the ``tools`` extra gets one clear line."""
+    """A lab sub-command, imported only when asked for: ``serve`` never loads loadlab, rich
+    or matplotlib, and an install without the lab (the image) gets one clear line."""
     import importlib.util
 
-    missing = [m for m in TOOLS_MODULES if importlib.util.find_spec(m) is None]
+    missing = [m for m in LAB_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         print(
-            f"extproc {name}: needs the tools extra ({', '.join(missing)} missing): "
-            "pip install 'token-quota-extproc[tools]'",
+            f"extproc {name}: needs the lab distribution ({', '.join(missing)} missing): "
+            "pip install ./lab (token-quota-lab, in the repository)",
             file=sys.stderr,
         )
         return 2
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("config")
     _key_parser(sub)
     _usage_parser(sub)
-    # Handled before parsing (its own parser, in the tools package); listed for --help.
+    # Handled before parsing (their own parsers, in the lab's loadlab); listed for --help.
     sub.add_parser("bench", help="streaming-latency benchmark runs (extproc bench --help)")
     sub.add_parser("chaos", help="chaos runs with an integrity report (extproc chaos --help)")
     args = parser.parse_args(argv)

@@ -18,11 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
-import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +33,11 @@ from loadlab.compare import (
     write_compare,
 )
 from loadlab.engine import Engine, Phase, Record, merge_rounds
-from loadlab.parts import Parts, Route, Terminated, raise_on_sigterm, shield_stops
+from loadlab.harness import Run
+from loadlab.parts import Parts, Route
 from loadlab.plots import write_plots
 from loadlab.quota_watch import BudgetWatch
-from loadlab.report import Live, machine_info, summary_table, write_results
+from loadlab.report import Live, summary_table, write_results
 from loadlab.rig import MODEL
 from loadlab.scenario import Scenario, ScenarioError, check, load_scenario, parse_scenario
 from loadlab.stats import summarize
@@ -349,50 +347,33 @@ def run(argv: Sequence[str]) -> int:
     except ScenarioError as exc:
         print(f"extproc bench: invalid scenario: {exc}", file=sys.stderr)
         return 2
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    out: Path = args.out or Path("results") / f"{scenario.name}-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    run = Run.begin("extproc bench", args.out, scenario.name)
+    out = run.out
     console = output_console()
-    started = time.monotonic()
-    info: dict[str, Any] = {"started_utc": stamp, "machine": machine_info()}
-    previous = signal.signal(signal.SIGTERM, raise_on_sigterm)
-    parts = Parts(scenario, out / "logs")
-    try:
-        with Live(args.quiet) as live:
-            live.note(
-                f"extproc bench, scenario {scenario.name}: "
-                f"routes {', '.join(scenario.route_names)}, "
-                f"levels {', '.join(f'{x:g}' for x in scenario.levels)} ({scenario.mode}), "
-                f"load average {os.getloadavg()[0]:.1f}; results in {out}"
-            )
-            routes = parts.start()
-            phases, ceiling = asyncio.run(_run(scenario, routes, live, parts.redis_url))
-            if parts.processor is not None:
-                try:
-                    info["processor_metrics"] = processor_figures(parts.processor.metrics())
-                except OSError:  # a figure less, not a lost run
-                    info["processor_metrics"] = None
-    except (KeyboardInterrupt, Terminated):
-        shield_stops()
-        parts.stop()
-        print("extproc bench: interrupted; every part stopped", file=sys.stderr)
-        return 130
-    except (RuntimeError, TimeoutError, OSError) as exc:
-        shield_stops()
-        parts.stop()
-        # A part's failure carries its log's tail: its last line says why.
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
-        why = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
-        print(f"extproc bench: {why}", file=sys.stderr)
-        print(f"  (part logs in {out / 'logs'})", file=sys.stderr)
-        return 1
-    finally:
-        shield_stops()
-        parts.stop()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, previous)
-    info["finished_load_average"] = [round(x, 2) for x in os.getloadavg()]
-    info["wall_s"] = round(time.monotonic() - started, 1)
+    info = run.info()
+    parts = Parts(scenario, run.logs)
+
+    def work(live: Live) -> tuple[list[Phase], dict[str, Any] | None]:
+        live.note(
+            f"extproc bench, scenario {scenario.name}: "
+            f"routes {', '.join(scenario.route_names)}, "
+            f"levels {', '.join(f'{x:g}' for x in scenario.levels)} ({scenario.mode}), "
+            f"load average {os.getloadavg()[0]:.1f}; results in {out}"
+        )
+        routes = parts.start()
+        done = asyncio.run(_run(scenario, routes, live, parts.redis_url))
+        if parts.processor is not None:
+            try:
+                info["processor_metrics"] = processor_figures(parts.processor.metrics())
+            except OSError:  # a figure less, not a lost run
+                info["processor_metrics"] = None
+        return done
+
+    result = run.with_parts(parts, args.quiet, work)
+    if result is None:
+        return run.exit_code
+    phases, ceiling = result
+    info |= run.finished()
     info["redis_url"] = parts.redis_url or None
     rows = summarize(phases, scenario)
     if ceiling is not None:

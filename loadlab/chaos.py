@@ -16,12 +16,10 @@ import asyncio
 import functools
 import os
 import random
-import signal
 import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,7 @@ from loadlab.chaos_scenario import ChaosScenario, load_chaos, parse_chaos
 from loadlab.client import TimedStream, chat_request, timed_stream
 from loadlab.engine import CHAT_OVERHEAD, WORD
 from loadlab.faults import ChaosParts, tenant_api_key, tenant_name, usage
+from loadlab.harness import Run, one_line
 from loadlab.integrity import (
     EXCUSED,
     MALFORMED,
@@ -49,8 +48,8 @@ from loadlab.integrity import (
     check_resources,
     check_settled_once,
 )
-from loadlab.parts import CHAT_PATH, Terminated, raise_on_sigterm, shield_stops
-from loadlab.report import Live, machine_info
+from loadlab.parts import CHAT_PATH
+from loadlab.report import Live
 from loadlab.rig import MODEL
 from loadlab.scenario import ScenarioError
 from loadlab.tables import output_console, print_table
@@ -288,8 +287,7 @@ async def _fault(parts: ChaosParts, origin: float, fault: Any, live: Live) -> No
         live.note(f"  {fault.kind} at {applied.started_s - origin:.1f}s {applied.note}".rstrip())
     except (RuntimeError, TimeoutError, OSError) as exc:
         # e.g. a processor restarted while Redis is away exits: the fault says so.
-        why = str(exc).strip().splitlines() or [repr(exc)]
-        text = why[0] if len(why) == 1 else f"{why[0]} {why[-1]}"
+        text = one_line(exc)
         if parts.applied and parts.applied[-1].kind == fault.kind:
             parts.applied[-1].note = f"failed: {text}"
             parts.applied[-1].ended_s = parts.applied[-1].ended_s or time.time()
@@ -473,40 +471,24 @@ def main(argv: Sequence[str]) -> int:
     except ScenarioError as exc:
         print(f"extproc chaos: invalid scenario: {exc}", file=sys.stderr)
         return 2
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    out: Path = args.out or Path("results") / f"chaos-{s.name}-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    run = Run.begin("extproc chaos", args.out, f"chaos-{s.name}")
+    out = run.out
     console = output_console()
-    started = time.monotonic()
-    info: dict[str, Any] = {"started_utc": stamp, "machine": machine_info()}
-    previous = signal.signal(signal.SIGTERM, raise_on_sigterm)
-    parts = ChaosParts(s, out / "logs")
-    try:
-        with Live(args.quiet) as live:
-            live.note(
-                f"extproc chaos {s.name}: {s.processors} processors, {s.tenants} tenants at "
-                f"{s.tpm} tokens per {s.window_s}s, {len(s.faults)} faults; load average "
-                f"{os.getloadavg()[0]:.1f}; results in {out}"
-            )
-            parts.start()
-            result = asyncio.run(_run(s, parts, live, args.tamper))
-    except (KeyboardInterrupt, Terminated):
-        shield_stops()
-        parts.stop()
-        print("extproc chaos: interrupted; every part stopped", file=sys.stderr)
-        return 130
-    except (RuntimeError, TimeoutError, OSError) as exc:
-        shield_stops()
-        parts.stop()
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [repr(exc)]
-        why = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
-        print(f"extproc chaos: {why}\n  (part logs in {out / 'logs'})", file=sys.stderr)
-        return 1
-    finally:
-        shield_stops()
-        parts.stop()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, previous)
+    info = run.info()
+    parts = ChaosParts(s, run.logs)
+
+    def work(live: Live) -> dict[str, Any]:
+        live.note(
+            f"extproc chaos {s.name}: {s.processors} processors, {s.tenants} tenants at "
+            f"{s.tpm} tokens per {s.window_s}s, {len(s.faults)} faults; load average "
+            f"{os.getloadavg()[0]:.1f}; results in {out}"
+        )
+        parts.start()
+        return asyncio.run(_run(s, parts, live, args.tamper))
+
+    result = run.with_parts(parts, args.quiet, work)
+    if result is None:
+        return run.exit_code
     load: Load = result["load"]
     origin = load.origin
     faults = [a.to_doc(origin) for a in parts.applied]
@@ -532,8 +514,9 @@ def main(argv: Sequence[str]) -> int:
         key=lambda d: (d["tenant"], d["window_start"]),
     )
     reasons = dict(sorted(Counter(e.get("reason", "") for e in w.ledger.values()).items()))
+    finished = run.finished()
     info.update(
-        wall_s=round(time.monotonic() - started, 1),
+        wall_s=finished["wall_s"],
         drain_s=round(result["drain_s"], 2),
         redis_restarts=len(w.epochs) - 1,
         watcher_read_errors=w.read_errors,
@@ -541,7 +524,7 @@ def main(argv: Sequence[str]) -> int:
         ledger_reasons=reasons,
         tamper=result["final"].get("tamper")
         and {k: v for k, v in result["final"].items() if k != "live_owners"},
-        finished_load_average=[round(x, 2) for x in os.getloadavg()],
+        finished_load_average=finished["finished_load_average"],
     )
     report = write_all(out, s, info, records, checks, faults, windows)
     summary = orjson.loads((out / "summary.json").read_bytes())

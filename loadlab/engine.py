@@ -17,14 +17,13 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import orjson
 
 from loadlab.client import TimedStream, chat_request, host_header, timed_stream
+from loadlab.machine import busy_jiffies, cpu_seconds
 from loadlab.parts import Route
-from loadlab.rig import cpu_seconds
 from loadlab.scenario import Scenario
 
 # A refused closed-loop client waits its Retry-After, at most this long, before the next
@@ -205,15 +204,6 @@ def make_record(
     )
 
 
-def _machine_jiffies() -> tuple[int, int]:
-    try:
-        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except OSError:
-        return 0, 0
-    idle = values[3] + values[4]
-    return sum(values) - idle, sum(values)
-
-
 def _cpu(pids: dict[str, int]) -> dict[str, float]:
     out = {}
     for role, pid in pids.items():
@@ -322,7 +312,7 @@ class Engine:
         started = time.monotonic()
         duration = None if s.duration_s is None else s.duration_s / rounds
         deadline = None if duration is None else started + duration
-        cpu_before, jiffies_before = _cpu(route.pids), _machine_jiffies()
+        cpu_before, jiffies_before = _cpu(route.pids), busy_jiffies()
 
         def more(issued: int) -> bool:
             if total is not None:
@@ -368,7 +358,7 @@ class Engine:
                 next_at += gaps.expovariate(level)
             await asyncio.gather(*tasks)
         wall = time.monotonic() - started
-        cpu_after, jiffies_after = _cpu(route.pids), _machine_jiffies()
+        cpu_after, jiffies_after = _cpu(route.pids), busy_jiffies()
         share = {
             role: (cpu_after[role] - cpu_before[role]) / wall if wall > 0 else 0.0
             for role in cpu_after

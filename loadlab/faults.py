@@ -23,6 +23,7 @@ from typing import Any
 
 from loadlab.chaos_scenario import ChaosScenario, Fault
 from loadlab.gateway import Envoy, Processor, key_hash, write_config
+from loadlab.machine import status_kib
 from loadlab.procs import ManagedProcess
 from loadlab.redis_server import RedisServer
 from loadlab.rig import MODELS
@@ -99,11 +100,7 @@ def simulator_args(s: ChaosScenario) -> list[str]:
 def usage(pid: int) -> dict[str, int] | None:
     """RSS (KiB) and open fds of a live process, from /proc."""
     try:
-        rss = 0
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1])
-        return {"rss_kib": rss, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+        return {"rss_kib": status_kib(pid, default=0), "fds": len(os.listdir(f"/proc/{pid}/fd"))}
     except OSError:
         return None
 

@@ -2,48 +2,29 @@
 routes a client takes to the simulator through them.
 
 Everything listens on a free loopback port and is stopped by PID, newest first, however the
-run ends (``Parts`` is a context manager; a part that fails to start stops itself). Shared by
-``extproc bench`` and, later, ``extproc chaos``.
+run ends (``Parts`` is a context manager; a part that fails to start stops itself).
+``extproc chaos`` starts its own (``loadlab.faults``): N processors, faults by PID.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import shutil
-import signal
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
 from loadlab.gateway import Processor, key_hash, write_config
+from loadlab.procs import StopsOnExit, StopStack
 from loadlab.redis_server import RedisServer
 from loadlab.rig import MODELS, ROOMY, start_envoy, start_noop_processor
 from loadlab.scenario import Scenario, Target, Variant
 from loadlab.simulator import Simulator
 
 CHAT_PATH = "/v1/chat/completions"
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, turned into an interrupt so every part is stopped on the way out. A
-    KeyboardInterrupt because asyncio re-raises only that (and SystemExit) from its
-    callbacks: an Exception raised inside a transport's write was logged and swallowed."""
-
-
-def raise_on_sigterm(signum: int, frame: object) -> None:
-    raise Terminated()
-
-
-def shield_stops() -> None:
-    """While the parts are stopped, a second Ctrl-C or SIGTERM mustn't cut the stops short."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 @dataclass
@@ -146,7 +127,7 @@ def target_route(target: Target, scenario: Scenario) -> Route:
     )
 
 
-class Parts:
+class Parts(StopsOnExit):
     """The started parts of one run; ``with Parts(...) as parts:`` stops them all by PID."""
 
     def __init__(self, scenario: Scenario, workdir: Path | None = None) -> None:
@@ -155,28 +136,14 @@ class Parts:
         self.routes: list[Route] = []
         self.redis_url = ""
         self.processor: Processor | None = None
-        self._stoppers: list[Callable[[], int]] = []
-
-    def __enter__(self) -> Parts:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        self._stops = StopStack()
 
     @property
     def pids(self) -> list[int]:
         return sorted({pid for r in self.routes for pid in r.pids.values()} - {os.getpid()})
 
     def stop(self) -> None:
-        while self._stoppers:
-            stop = self._stoppers.pop()
-            with contextlib.suppress(OSError):  # already gone: nothing left to stop
-                stop()
+        self._stops.stop()
 
     def start(self) -> list[Route]:
         s = self.scenario
@@ -186,7 +153,7 @@ class Parts:
         self.workdir.mkdir(parents=True, exist_ok=True)
         me = os.getpid()
         sim = Simulator(s.profile, *simulator_args(s), log_dir=self.workdir)
-        self._stoppers.append(sim.stop)
+        self._stops.push(sim)
         common = {"client": me, "simulator": sim.pid}
         routes: list[Route] = []
         for name in s.routes:
@@ -194,14 +161,14 @@ class Parts:
                 routes.append(Route("direct", "127.0.0.1", sim.port, s.path, pids=dict(common)))
             elif name == "envoy":
                 envoy, _ = start_envoy(self.workdir, None, sim.port, "envoy")
-                self._stoppers.append(envoy.stop)
+                self._stops.push(envoy)
                 pids = {**common, "envoy": envoy.process.pid}
                 routes.append(Route("envoy", "127.0.0.1", envoy.ports.listen, s.path, pids=pids))
             elif name == "noop":
                 noop, noop_port = start_noop_processor(self.workdir)
-                self._stoppers.append(noop.stop)
+                self._stops.push(noop)
                 envoy, _ = start_envoy(self.workdir, noop_port, sim.port, "noop")
-                self._stoppers.append(envoy.stop)
+                self._stops.push(envoy)
                 pids = {**common, "envoy": envoy.process.pid, "processor": noop.pid}
                 routes.append(Route("noop", "127.0.0.1", envoy.ports.listen, s.path, pids=pids))
             else:
@@ -213,16 +180,16 @@ class Parts:
         s = self.scenario
         if shutil.which("redis-server") is not None:
             redis = RedisServer.start(self.workdir / "redis")
-            self._stoppers.append(redis.stop)
+            self._stops.push(redis)
             self.redis_url = redis.url
         else:
             self.redis_url = "memory://"  # one processor: the in-process backend is exact
         config = processor_config(self.workdir / "quota.yaml", s, self.redis_url)
         processor = Processor.start(config, self.workdir, self.redis_url)
-        self._stoppers.append(processor.stop)
+        self._stops.push(processor)
         self.processor = processor
         envoy, _ = start_envoy(self.workdir, processor.port, sim.port, "processor")
-        self._stoppers.append(envoy.stop)
+        self._stops.push(envoy)
         pids = {**common, "envoy": envoy.process.pid, "processor": processor.process.pid}
         return [
             Route(

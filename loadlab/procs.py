@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -9,6 +10,14 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol, Self, TypeVar
+
+
+class Stoppable(Protocol):
+    def stop(self) -> object: ...
+
+
+S = TypeVar("S", bound=Stoppable)
 
 
 def free_port() -> int:
@@ -95,3 +104,38 @@ class ManagedProcess:
                 self.proc.wait(5)
         self._log.close()
         return self.proc.returncode
+
+
+class StopsOnExit:
+    """A part used in ``with``: stopped however the block ends."""
+
+    def stop(self) -> object:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class StopStack(StopsOnExit):
+    """What a run started, stopped newest first however the block ends (a part already gone
+    is no error): ``redis = stops.push(RedisServer.start(...))``; ``stops.call(f)`` for a
+    stop that isn't a part's."""
+
+    def __init__(self) -> None:
+        self._stops: list[Callable[[], object]] = []
+
+    def push(self, part: S) -> S:
+        self._stops.append(part.stop)
+        return part
+
+    def call(self, stop: Callable[[], object]) -> None:
+        self._stops.append(stop)
+
+    def stop(self) -> None:
+        while self._stops:
+            stop = self._stops.pop()
+            with contextlib.suppress(OSError):  # already gone: nothing left to stop
+                stop()

@@ -11,9 +11,8 @@ import shutil
 import socket
 import subprocess
 from pathlib import Path
-from types import TracebackType
 
-from loadlab.procs import ManagedProcess, free_port
+from loadlab.procs import ManagedProcess, StopsOnExit, free_port
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
@@ -84,7 +83,7 @@ def make_tls_files(directory: Path) -> tuple[Path, Path, Path]:
     return ca_crt, crt, key
 
 
-class RedisServer:
+class RedisServer(StopsOnExit):
     """One redis-server child process; use ``RedisServer.start(tmp_path)`` or ``with``."""
 
     def __init__(
@@ -167,14 +166,3 @@ class RedisServer:
 
     def stop(self) -> int:
         return self.process.stop()
-
-    def __enter__(self) -> RedisServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

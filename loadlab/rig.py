@@ -1,14 +1,13 @@
-"""The parts the gateway benchmarks start: processors, Envoy variants, pinning, CPU time.
+"""The parts the gateway benchmarks start: processors, Envoy variants, their configs.
 
 Everything listens on a free loopback port and is a ``ManagedProcess`` (stopped by PID), as
 in the gateway tests; the pieces only benchmarks need (CPU pinning, a no-op processor, an
-Envoy without ext_proc, an access log with upstream timings) live here.
+Envoy without ext_proc, an access log with upstream timings) live here; pinning and CPU
+time in ``loadlab.machine``.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 import time
 from collections.abc import Collection
@@ -24,6 +23,7 @@ from loadlab.gateway import (
     key_hash,
     write_config,
 )
+from loadlab.machine import pinned
 from loadlab.procs import ManagedProcess, free_port
 from stack.envoy import EnvoyPorts, render_bootstrap
 
@@ -48,25 +48,6 @@ FILE_ACCESS_LOG_TYPE = "type.googleapis.com/envoy.extensions.access_loggers.file
 ACCESS_LOG_FORMAT = (
     "%REQ(X-REQUEST-ID)% %START_TIME(%s.%6f)% %COMMON_DURATION(DS_RX_BEG:US_TX_END:us)%\n"
 )
-
-
-def pinned(argv: list[str], cpus: str | None) -> list[str]:
-    """``argv`` under ``taskset -c cpus`` when asked for and available, else unchanged."""
-    taskset = shutil.which("taskset")
-    if cpus is None or taskset is None:
-        return argv
-    return [taskset, "-c", cpus, *argv]
-
-
-def pin_self(cpus: str | None) -> None:
-    if cpus is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def write_bench_config(path: Path, redis_url: str, batch_tokens: int = 32) -> Path:

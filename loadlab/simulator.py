@@ -1,4 +1,4 @@
-"""Start an llmsim process for a test: a free port, wait for /health, stop by PID.
+"""Start an llmsim process: a free port, wait for /health, stop by PID.
 
     with running_simulator("fast.yaml", "--max-num-seqs", "4", log_dir=tmp_path) as sim:
         client = openai.OpenAI(base_url=f"{sim.base_url}/v1", api_key="x")

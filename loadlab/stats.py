@@ -9,27 +9,22 @@ Percentiles are nearest-rank: every figure is a real sample.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from loadlab.engine import Phase, Record
+from loadlab.figures import percentile
 from loadlab.scenario import Scenario
 
 QUANTILES = (50, 90, 99)
 LATENCIES = ("ttft_ms", "itl_ms", "tpot_ms", "e2el_ms", "chunk_latency_ms")
 
 
-def percentile(samples: Sequence[float], q: float) -> float | None:
-    if not samples:
-        return None
-    ordered = sorted(samples)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
-
-
 def distribution(samples: Sequence[float]) -> dict[str, float | None]:
-    out: dict[str, float | None] = {f"p{q}": _round(percentile(samples, q)) for q in QUANTILES}
+    out: dict[str, float | None] = {
+        f"p{q}": _round(percentile(samples, q)) if samples else None for q in QUANTILES
+    }
     out["mean"] = _round(sum(samples) / len(samples)) if samples else None
     out["count"] = len(samples)
     return out

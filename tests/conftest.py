@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.redis_server import RedisServer
+from loadlab.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

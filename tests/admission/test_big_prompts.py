@@ -26,14 +26,7 @@ from extproc.runtime import tokenizer_rules
 from extproc.tokens.offload import OFFLOAD_MIN_CHARS
 from extproc.tokens.prompt import WALK_STEP, count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
-from tests.admission.failing_tokenizer_processor import MARK
-from tests.gateway.conftest import (
-    WINDOW_S,
-    counter_value,
-    processor_config,
-    tenant_key,
-)
-from tests.support.gateway import (
+from loadlab.gateway import (
     Envoy,
     Gateway,
     Processor,
@@ -42,10 +35,17 @@ from tests.support.gateway import (
     wait_until,
     write_config,
 )
-from tests.support.procs import ManagedProcess, free_port
-from tests.support.redis_server import RedisServer
+from loadlab.procs import ManagedProcess, free_port
+from loadlab.redis_server import RedisServer
+from loadlab.sse_client import StreamResult, stream_http1
+from tests.admission.failing_tokenizer_processor import MARK
+from tests.gateway.conftest import (
+    WINDOW_S,
+    counter_value,
+    processor_config,
+    tenant_key,
+)
 from tests.support.scripted_upstream import Received, Reply, ScriptedUpstream
-from tests.support.sse_client import StreamResult, stream_http1
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_BODY = 1 << 20  # the default max_body_bytes

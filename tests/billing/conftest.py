@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from loadlab.simulator import Simulator
 from tests.billing.streams import REQUEST, ROOT
-from tests.support.simulator import Simulator
 
 
 @pytest.fixture(scope="module")

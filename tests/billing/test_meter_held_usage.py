@@ -21,8 +21,8 @@ from extproc.config import TenantSpec, parse_config
 from extproc.quota import keys
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.runtime import Runtime
+from loadlab.redis_server import RedisServer
 from tests.billing.streams import REQUEST, config_doc
-from tests.support.redis_server import RedisServer
 
 
 class HeldLeases:

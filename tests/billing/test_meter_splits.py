@@ -20,9 +20,9 @@ from extproc.config import TenantSpec, parse_config
 from extproc.quota import keys
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.runtime import Runtime
+from loadlab.redis_server import RedisServer
+from loadlab.sse_client import parse_events
 from tests.billing.streams import REQUEST, config_doc
-from tests.support.redis_server import RedisServer
-from tests.support.sse_client import parse_events
 
 _ids = itertools.count()
 

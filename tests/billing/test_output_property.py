@@ -26,9 +26,9 @@ from extproc.billing.meter import ResponseMeter
 from extproc.config import TenantSpec, parse_config
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.runtime import Runtime
+from loadlab.redis_server import RedisServer
 from tests.billing.streams import REQUEST, config_doc
 from tests.support.client_view import delivered
-from tests.support.redis_server import RedisServer
 
 _ids = itertools.count()
 BASE = {"id": "chatcmpl-p", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4.1"}

@@ -13,9 +13,9 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.support.gateway import Processor, key_hash, write_config
-from tests.support.procs import free_port_run
-from tests.support.redis_server import RedisServer
+from loadlab.gateway import Processor, key_hash, write_config
+from loadlab.procs import free_port_run
+from loadlab.redis_server import RedisServer
 from tests.support.reloading import (
     ADMITTED,
     ConfigMapDir,
@@ -182,8 +182,8 @@ def test_a_restart_only_field_is_refused_naming_it(
 def test_the_supervisor_passes_sighup_to_every_worker(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
-    from tests.support.gateway import grpc_serving, http_get
-    from tests.support.procs import ManagedProcess
+    from loadlab.gateway import grpc_serving, http_get
+    from loadlab.procs import ManagedProcess
 
     path = write_config(tmp_path / "quota.yaml", config({"alpha": 100}, redis_url=redis_server.url))
     port, metrics = free_port_run(1), free_port_run(2)

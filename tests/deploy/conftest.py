@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import yaml
 
+from loadlab.gateway import Envoy, Processor, wait_until
+from loadlab.procs import free_port
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
 from stack.envoy import EnvoyPorts
-from tests.support.gateway import Envoy, Processor, wait_until
-from tests.support.procs import free_port
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

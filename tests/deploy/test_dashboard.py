@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import openai
 
+from loadlab.gateway import http_get
+from loadlab.simulator import running_simulator
 from tests.deploy.conftest import DEPLOY, PRO_KEY, Deployed, load_yaml
-from tests.support.gateway import http_get
-from tests.support.simulator import running_simulator
 
 DASHBOARD = json.loads((DEPLOY / "grafana" / "extproc-dashboard.json").read_text())
 NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"

@@ -285,8 +285,16 @@ def test_the_images_install_step_succeeds_from_the_context_alone(tmp_path: Path)
     assert imports.returncode == 0, imports.stderr
     where, others = imports.stdout.splitlines()
     assert where.startswith(str(venv)) and others == "[]"  # extproc only
+    scripts = run(
+        python, "-c",
+        "import importlib.metadata as md\n"
+        "eps = md.distribution('token-quota-extproc').entry_points\n"
+        "print([ep.name for ep in eps.select(group='console_scripts')])",
+    )  # fmt: skip
+    assert scripts.stdout.strip() == "['extproc']"  # no llmsim script without its module
+    assert not (venv / "bin" / "llmsim").exists()
     tools = run(str(venv / "bin" / "extproc"), "bench", "--help")
-    assert tools.returncode == 2 and "needs the tools extra" in tools.stderr
+    assert tools.returncode == 2 and "needs the lab distribution" in tools.stderr
     # And it serves: the image's CMD, on loopback ports and the in-memory backend.
     port = free_port()
     serve = subprocess.Popen(

@@ -312,7 +312,7 @@ def test_dockerfile_installs_what_the_readme_documents():
     """What "the same steps" means: the same Python minor as pyproject's requires-python, and `pip
     install .` of the same pyproject, in the Dockerfile as in both READMEs; scripts/setup.sh
     (the README's set-up command) installs that package too, editable and with the test
-    extras on top."""
+    extras on top, and the lab's (lab/pyproject.toml) beside it."""
     dockerfile = (ROOT / "Dockerfile").read_text()
     (base,) = re.findall(r"^FROM\s+python:(3\.\d+)\.\d+-slim", dockerfile, re.M)
     assert f">={base}" in PYPROJECT["project"]["requires-python"]
@@ -329,7 +329,7 @@ def test_dockerfile_installs_what_the_readme_documents():
         assert "pip install ." in text, readme
         assert f"Python {base}" in text, readme
     setup, *repairs = _pip_installs((ROOT / "scripts" / "setup.sh").read_text())
-    assert [t.split("[")[0] for t in _targets(setup)] == ["."]
+    assert [t.split("[")[0] for t in _targets(setup)] == [".", "./lab"]  # + the lab's
     assert len(repairs) == 1 and _targets(repairs[0])[0].endswith(OTEL_PROTO_REPAIR[7:])
     # The image holds the processor's package alone: no tests, simulator or load tools
     # (tests/deploy/test_docker_context.py checks the build context itself).

@@ -31,13 +31,13 @@ import pytest
 import redis
 import yaml
 
+from loadlab.gateway import ROOT, start_gateway, wait_until
+from loadlab.procs import ManagedProcess, free_port
 from loadlab.redis_server import REDIS_SERVER, accepts_connections
+from loadlab.simulator import Simulator
+from loadlab.sse_client import stream_http1
 from tests.deploy.conftest import DEPLOY, k8s_object
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
-from tests.support.gateway import ROOT, start_gateway, wait_until
-from tests.support.procs import ManagedProcess, free_port
-from tests.support.simulator import Simulator
-from tests.support.sse_client import stream_http1
 
 pytestmark = pytest.mark.slow
 TENANT = "aof"

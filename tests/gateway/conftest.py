@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import redis
 
-from tests.support.gateway import key_hash, write_config
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
+from loadlab.gateway import key_hash, write_config
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST_PROFILE = ROOT / "simulator_profiles" / "fast.yaml"

@@ -14,10 +14,10 @@ import orjson
 import pytest
 import redis
 
+from loadlab.gateway import Gateway, http_get, start_gateway
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
-from tests.support.gateway import Gateway, http_get, start_gateway
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
 
 ROOMY = {
     "window_s": WINDOW_S,
@@ -300,7 +300,7 @@ async def _post(
 
 
 def _eventually(predicate: object, timeout_s: float = 3.0) -> bool:
-    from tests.support.gateway import wait_until
+    from loadlab.gateway import wait_until
 
     return wait_until(predicate, timeout_s)
 

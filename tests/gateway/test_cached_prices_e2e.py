@@ -14,12 +14,12 @@ import pytest
 import redis
 
 from extproc.config.schema import NANO_PER_UNIT
+from loadlab.gateway import Gateway, start_gateway, wait_until
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
+from loadlab.sse_client import stream_http1
 from tests.gateway.conftest import FAST_PROFILE, tenant_key, write_processor_config
-from tests.support.gateway import Gateway, start_gateway, wait_until
 from tests.support.quota_views import counter_total, ledger, ledger_net
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
-from tests.support.sse_client import stream_http1
 
 BLOCK = 16
 PRICES = {"input": "2.50", "output": "10.00", "cached_input": "0.625"}  # per 1M tokens

@@ -21,19 +21,11 @@ import openai
 import pytest
 import redis
 
+from loadlab.gateway import ROOT, Envoy, Gateway, Processor, key_hash, wait_until, write_config
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
 from tests.gateway.conftest import MODELS, tenant_key
-from tests.support.gateway import (
-    ROOT,
-    Envoy,
-    Gateway,
-    Processor,
-    key_hash,
-    wait_until,
-    write_config,
-)
 from tests.support.quota_views import counter_total, ledger, ledger_net
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
 
 CLOCK_KEY = "e2e:test-clock"
 SEED_RLS = ROOT / "envoy_config" / "ratelimit" / "ai-gateway.yaml"

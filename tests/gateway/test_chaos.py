@@ -28,6 +28,10 @@ import redis
 
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
+from loadlab.gateway import Gateway, http_get, start_gateway, wait_until
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import (
     FAST_PROFILE,
     WINDOW_S,
@@ -35,10 +39,6 @@ from tests.gateway.conftest import (
     tenant_key,
     write_processor_config,
 )
-from tests.support.gateway import Gateway, http_get, start_gateway, wait_until
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
-from tests.support.sse_client import StreamResult, stream_http1
 
 STREAMS = 30
 MODELS = {"gpt-4.1": {"tokenizer": "o200k_base", "max_tokens": 4096}}

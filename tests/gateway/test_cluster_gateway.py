@@ -19,12 +19,12 @@ import pytest
 import redis
 
 from extproc.quota import keys
+from loadlab.gateway import start_gateway, wait_until
+from loadlab.redis_cluster import RedisClusterSet
+from loadlab.simulator import Simulator
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
-from tests.support.gateway import start_gateway, wait_until
 from tests.support.quota_views import counter_total, ledger, ledger_net
-from tests.support.redis_cluster import RedisClusterSet
-from tests.support.simulator import Simulator
-from tests.support.sse_client import StreamResult, stream_http1
 
 STREAMS = 4  # per tenant and batch
 REQUEST = {

@@ -37,14 +37,14 @@ import redis
 
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
+from loadlab.gateway import Gateway, http_get, start_gateway, wait_until
+from loadlab.redis_server import RedisServer
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import WINDOW_S, tenant_key, write_processor_config
 from tests.support.client_view import as_metered
 from tests.support.client_view import delivered as client_delivered
-from tests.support.gateway import Gateway, http_get, start_gateway, wait_until
 from tests.support.quota_views import counter_total, ledger, ledger_net
-from tests.support.redis_server import RedisServer
 from tests.support.simulator import ModeSimulator, max_event_tokens, simulator_fixture
-from tests.support.sse_client import StreamResult, stream_http1
 
 pytestmark = pytest.mark.slow
 

@@ -26,16 +26,16 @@ import pytest
 import redis
 
 from extproc.quota import keys
+from loadlab.gateway import Envoy, Processor, wait_until
+from loadlab.redis_cluster import RedisClusterSet
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import FAST_PROFILE, WINDOW_S, tenant_key, write_processor_config
 from tests.gateway.test_cluster_gateway import master_client, one_tenant_per_master
 from tests.gateway.test_workers import start_envoy_one_endpoint, start_workers
-from tests.support.gateway import Envoy, Processor, wait_until
 from tests.support.raw_upstream import RawUpstream
-from tests.support.redis_cluster import RedisClusterSet
-from tests.support.redis_server import RedisServer
 from tests.support.scripted_upstream import chat_stream
-from tests.support.simulator import Simulator
-from tests.support.sse_client import StreamResult, stream_http1
 
 pytestmark = pytest.mark.slow
 

@@ -23,15 +23,15 @@ from typing import Any
 import orjson
 import redis
 
+from loadlab.gateway import Envoy, Processor, start_gateway, wait_until
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
 from tests.gateway.test_stream_end_races import MESSAGES, PIECE, PROMPT
 from tests.quota.test_resilient import TcpProxy
-from tests.support.gateway import Envoy, Processor, start_gateway, wait_until
 from tests.support.raw_upstream import RawUpstream
-from tests.support.redis_server import RedisServer
 from tests.support.scripted_upstream import chat_stream
-from tests.support.simulator import Simulator
-from tests.support.sse_client import StreamResult, stream_http1
 
 LIMITS = {"*": {"rpm": 100, "tpm": 100_000}}
 OPEN = {"window_s": WINDOW_S, "limits": LIMITS, "on_backend_failure": "open"}

@@ -26,9 +26,9 @@ import orjson
 import pytest
 
 from extproc.admission.routes import upstream_allowed
+from loadlab.gateway import Gateway, start_gateway
+from loadlab.simulator import Simulator
 from tests.gateway.conftest import WINDOW_S, tenant_key, write_processor_config
-from tests.support.gateway import Gateway, start_gateway
-from tests.support.simulator import Simulator
 
 ROOMY = {"window_s": WINDOW_S, "limits": {"*": {"rpm": 10_000, "tpm": 10_000_000}}}
 TENANTS = {"edges": ROOMY}

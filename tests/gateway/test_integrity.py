@@ -19,10 +19,11 @@ import redis
 
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
+from loadlab.gateway import Gateway, start_gateway, wait_until
+from loadlab.redis_server import RedisServer
+from loadlab.sse_client import stream_http1
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
-from tests.support.gateway import Gateway, start_gateway, wait_until
 from tests.support.go_json import GoView
-from tests.support.redis_server import RedisServer
 from tests.support.scripted_upstream import (
     Received,
     Reply,
@@ -30,7 +31,6 @@ from tests.support.scripted_upstream import (
     chat_stream,
     usage,
 )
-from tests.support.sse_client import stream_http1
 
 SECRET_ENV = "TQ_TEST_UPSTREAM_KEY"
 SECRET = "sk-upstream-secret-for-tests"

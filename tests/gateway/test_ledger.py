@@ -21,11 +21,11 @@ import pytest
 import redis
 
 from extproc.quota import keys
+from loadlab.gateway import Gateway, start_gateway, wait_until
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import FAST_PROFILE, WINDOW_S, tenant_key, write_processor_config
-from tests.support.gateway import Gateway, start_gateway, wait_until
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
-from tests.support.sse_client import StreamResult, stream_http1
 
 MODELS = {"gpt-4.1": {"tokenizer": "o200k_base", "max_tokens": 4096}}
 CHAOS_TENANTS = [f"ledger-chaos-{i}" for i in range(4)]

@@ -28,18 +28,13 @@ import redis
 from extproc.config.schema import NANO_PER_UNIT
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
+from loadlab.gateway import Gateway, start_gateway, wait_until
+from loadlab.redis_server import RedisServer
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import tenant_key, write_processor_config
 from tests.support.client_view import as_metered
-from tests.support.gateway import Gateway, start_gateway, wait_until
 from tests.support.quota_views import counter_total, ledger, ledger_net
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import (
-    ModeSimulator,
-    ModeTenants,
-    max_event_tokens,
-    simulator_fixture,
-)
-from tests.support.sse_client import StreamResult, stream_http1
+from tests.support.simulator import ModeSimulator, ModeTenants, max_event_tokens, simulator_fixture
 
 WINDOW_S = 4  # short windows keep the burst tests quick; bucket 1 s
 LIMIT_RPM = 5

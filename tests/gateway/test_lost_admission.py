@@ -17,11 +17,11 @@ from pathlib import Path
 import orjson
 import redis
 
+from loadlab.gateway import start_gateway, wait_until
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
+from loadlab.sse_client import stream_http1
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
-from tests.support.gateway import start_gateway, wait_until
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
-from tests.support.sse_client import stream_http1
 
 REQUEST = {
     "model": "gpt-4.1",

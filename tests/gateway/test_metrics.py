@@ -14,18 +14,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import __version__
 from extproc.config import load_config
+from loadlab.gateway import Gateway, http_get, key_hash, start_gateway, wait_until, write_config
+from loadlab.metrics import parse_metrics
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
 from tests.gateway.conftest import FAST_PROFILE, WINDOW_S, counter_value
-from tests.support.gateway import (
-    Gateway,
-    http_get,
-    key_hash,
-    start_gateway,
-    wait_until,
-    write_config,
-)
-from tests.support.metrics import parse_metrics
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
 
 # Tenant ids no metric may carry: two tenants on one plan, one on another.
 TEAM = ("tenant-alpha-7f3e", "tenant-bravo-91c2")

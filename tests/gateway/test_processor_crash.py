@@ -24,11 +24,11 @@ from extproc.quota import keys
 from extproc.quota.base import SETTLED_TTL_S
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
+from loadlab.gateway import Envoy, Processor, wait_until
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import FAST_PROFILE, WINDOW_S, tenant_key, write_processor_config
-from tests.support.gateway import Envoy, Processor, wait_until
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
-from tests.support.sse_client import StreamResult, stream_http1
 
 TENANT = "crash"
 PREFIX = "tq-crash"

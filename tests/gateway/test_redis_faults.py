@@ -10,6 +10,8 @@ from pathlib import Path
 
 import redis
 
+from loadlab.gateway import wait_until
+from loadlab.redis_server import RedisServer
 from tests.gateway.conftest import counter_value
 from tests.gateway.test_stream_end_races import (
     PIECE,
@@ -17,9 +19,7 @@ from tests.gateway.test_stream_end_races import (
     start_processor,
     stream_through,
 )
-from tests.support.gateway import wait_until
 from tests.support.raw_upstream import RawUpstream
-from tests.support.redis_server import RedisServer
 from tests.support.scripted_upstream import chat_stream
 
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
+from loadlab.gateway import start_gateway
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
+from loadlab.sse_client import stream_http1
 from tests.gateway.conftest import WINDOW_S, tenant_key, write_processor_config
-from tests.support.gateway import start_gateway
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
-from tests.support.sse_client import stream_http1
 
 TENANT = "restart"
 CLIENTS = 8  # concurrent closed-loop clients: several pooled Redis connections in use

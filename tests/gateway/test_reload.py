@@ -17,13 +17,13 @@ import redis
 from extproc.billing.lease import first_lease, lease_target
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
+from loadlab.gateway import Envoy, wait_until, write_config
+from loadlab.redis_server import RedisServer
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import WINDOW_S, counter_value, processor_config, tenant_key
-from tests.support.gateway import Envoy, wait_until, write_config
 from tests.support.raw_upstream import RawUpstream
-from tests.support.redis_server import RedisServer
 from tests.support.reloading import metric, records, start_processor, wait_for
 from tests.support.scripted_upstream import chat_stream, usage
-from tests.support.sse_client import StreamResult, stream_http1
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 PROMPT = count_prompt_tokens(

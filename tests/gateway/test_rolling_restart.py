@@ -19,6 +19,10 @@ from typing import Any
 import pytest
 import redis
 
+from loadlab.gateway import Envoy, Processor, wait_until
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
+from loadlab.sse_client import StreamResult, stream_http1
 from stack.envoy import ProcessorHealthCheck
 from tests.gateway.conftest import (
     FAST_PROFILE,
@@ -27,10 +31,6 @@ from tests.gateway.conftest import (
     tenant_key,
     write_processor_config,
 )
-from tests.support.gateway import Envoy, Processor, wait_until
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
-from tests.support.sse_client import StreamResult, stream_http1
 
 MODELS = {"gpt-4.1": {"tokenizer": "o200k_base", "max_tokens": 4096}}
 LIMITS = {"rpm": 1_000_000, "tpm": 100_000_000}

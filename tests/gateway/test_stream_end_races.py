@@ -17,14 +17,14 @@ import redis
 
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
+from loadlab.gateway import Envoy, Processor, wait_until
+from loadlab.procs import free_port
+from loadlab.redis_server import RedisServer
+from loadlab.sse_client import stream_http1
 from stack.envoy import EnvoyPorts, render_bootstrap
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
-from tests.support.gateway import Envoy, Processor, wait_until
-from tests.support.procs import free_port
 from tests.support.raw_upstream import RawUpstream
-from tests.support.redis_server import RedisServer
 from tests.support.scripted_upstream import chat_stream
-from tests.support.sse_client import stream_http1
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 PROMPT = count_prompt_tokens(

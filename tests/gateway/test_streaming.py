@@ -24,18 +24,13 @@ import redis
 
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
+from loadlab.gateway import Gateway, http_get, start_gateway, wait_until
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
+from loadlab.sse_client import StreamResult, stream_http1, stream_http2
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
 from tests.support.client_view import as_metered
-from tests.support.gateway import Gateway, http_get, start_gateway, wait_until
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import (
-    ModeSimulator,
-    ModeTenants,
-    Simulator,
-    max_event_tokens,
-    simulator_fixture,
-)
-from tests.support.sse_client import StreamResult, stream_http1, stream_http2
+from tests.support.simulator import ModeSimulator, ModeTenants, max_event_tokens, simulator_fixture
 
 MODELS = {
     "gpt-4.1": {
@@ -352,7 +347,7 @@ def test_client_disconnect_mid_stream_bills_what_was_delivered(
         return text.decode()
 
     received = asyncio.run(read_then_leave())
-    from tests.support.sse_client import parse_events
+    from loadlab.sse_client import parse_events
 
     got = StreamResult(200, {}, received.encode(), False, parse_events(received.encode()))
     read_tokens = got.output_tokens()

@@ -21,13 +21,13 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from loadlab.gateway import ROOT, Envoy, wait_until, write_config
+from loadlab.procs import ManagedProcess, free_port
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
 from stack.envoy import EnvoyPorts, ProcessorHealthCheck, ProcessorTls, render_bootstrap
 from tests.deploy.certs import make_ca, make_leaf, serial_of
 from tests.gateway.conftest import processor_config, tenant_key
-from tests.support.gateway import ROOT, Envoy, wait_until, write_config
-from tests.support.procs import ManagedProcess, free_port
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
 
 pytestmark = pytest.mark.slow
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"

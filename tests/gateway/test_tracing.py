@@ -18,10 +18,10 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from extproc.tracing import exporter_from_env, tracer_from_env
+from loadlab.gateway import Envoy, Gateway, Processor, key_hash, wait_until, write_config
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
 from tests.gateway.conftest import FAST_PROFILE, WINDOW_S, counter_value
-from tests.support.gateway import Envoy, Gateway, Processor, key_hash, wait_until, write_config
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
 
 MODEL = "gpt-4.1"
 MODELS = {MODEL: {"tokenizer": "o200k_base", "max_tokens": 4096, "default_max_tokens": 64}}

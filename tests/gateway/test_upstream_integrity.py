@@ -24,13 +24,13 @@ import redis
 
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
+from loadlab.gateway import Gateway, start_gateway, wait_until
+from loadlab.redis_server import RedisServer
+from loadlab.sse_client import StreamResult, dechunk, stream_http1
 from tests.gateway.conftest import WINDOW_S, tenant_key, write_processor_config
 from tests.support.client_view import O200K, delivered
-from tests.support.gateway import Gateway, start_gateway, wait_until
 from tests.support.quota_views import counter_total, ledger, ledger_net
-from tests.support.redis_server import RedisServer
 from tests.support.scripted_upstream import Reply, ScriptedUpstream, usage
-from tests.support.sse_client import StreamResult, dechunk, stream_http1
 
 MODELS = {
     # o200k is gpt-4.1's own tokenizer: the meter's count is authoritative (the default).

@@ -17,6 +17,10 @@ import openai
 import pytest
 import redis
 
+from loadlab.gateway import wait_until
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
+from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import FAST_PROFILE, WINDOW_S, tenant_key, write_processor_config
 from tests.gateway.test_crash_books import (
     HEARTBEAT_TTL_S,
@@ -34,10 +38,6 @@ from tests.gateway.test_workers import (
     start_envoy_one_endpoint,
     start_workers,
 )
-from tests.support.gateway import wait_until
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
-from tests.support.sse_client import StreamResult, stream_http1
 
 pytestmark = pytest.mark.slow
 

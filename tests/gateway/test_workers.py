@@ -28,13 +28,13 @@ import redis
 import yaml
 
 from extproc.transport.workers import FIRST_RESTART_DELAY_S, MAX_QUICK_DEATHS, MAX_RESTART_DELAY_S
+from loadlab.gateway import ROOT, Envoy, grpc_serving, http_get, wait_until
+from loadlab.metrics import parse_metrics
+from loadlab.procs import ManagedProcess, free_port, free_port_run
+from loadlab.redis_server import RedisServer
+from loadlab.simulator import Simulator
 from stack.envoy import EnvoyPorts, render_bootstrap
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
-from tests.support.gateway import ROOT, Envoy, grpc_serving, http_get, wait_until
-from tests.support.metrics import parse_metrics
-from tests.support.procs import ManagedProcess, free_port, free_port_run
-from tests.support.redis_server import RedisServer
-from tests.support.simulator import Simulator
 
 WORKERS = 2
 TENANTS = {

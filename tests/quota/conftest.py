@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from extproc.quota.base import Counter, QuotaBackend
 from extproc.quota.memory_backend import MemoryQuotaBackend
 from extproc.quota.redis_backend import RedisQuotaBackend
-from tests.support.redis_server import RedisServer
+from loadlab.redis_server import RedisServer
 
 
 class FakeClock:

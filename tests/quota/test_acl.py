@@ -30,10 +30,10 @@ from extproc.quota.keys import counter_key, reservation_key
 from extproc.quota.orphans import start_liveness
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.quota.resilient import ResilientQuotaBackend, _Op, absorb_key
+from loadlab.gateway import ROOT, Envoy, Processor, key_hash, write_config
+from loadlab.procs import ManagedProcess, free_port
 from loadlab.redis_server import REDIS_SERVER, accepts_connections
-from tests.support.gateway import ROOT, Envoy, Processor, key_hash, write_config
-from tests.support.procs import ManagedProcess, free_port
-from tests.support.simulator import Simulator
+from loadlab.simulator import Simulator
 
 ACL_FILE = ROOT / "deploy" / "redis" / "users.acl"
 # The example passwords whose SHA-256 the shipped file holds (deploy/k8s/secret.yaml).

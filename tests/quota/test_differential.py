@@ -80,6 +80,7 @@ from extproc.quota.redis_backend import (
 )
 from extproc.quota.resilient import absorb_key
 from extproc.quota.windows import ledger_windows, script_window
+from loadlab.redis_server import RedisServer
 from tests.quota.conftest import FakeClock, Harness
 from tests.support.quota_views import (
     memory_ledger_entries,
@@ -89,7 +90,6 @@ from tests.support.quota_views import (
     redis_record,
     redis_windows_of,
 )
-from tests.support.redis_server import RedisServer
 
 T = TypeVar("T")
 CLOCK_KEY = "quotadiff:clock"

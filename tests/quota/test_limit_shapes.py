@@ -25,8 +25,8 @@ from extproc.quota.calendar import calendar_bounds
 from extproc.quota.keys import counter_key, reservation_key, usage_stream_key, window_span
 from extproc.quota.memory_backend import MemoryQuotaBackend
 from extproc.quota.redis_backend import TEST_CLOCK_ENV, RedisQuotaBackend
+from loadlab.redis_server import RedisServer
 from tests.quota.conftest import FakeClock
-from tests.support.redis_server import RedisServer
 
 CLOCK_KEY = "test:clock"
 _ids = itertools.count()

@@ -32,9 +32,9 @@ from extproc.quota.orphans import (
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.quota.resp import RespConnection
 from extproc.runtime import Runtime
+from loadlab.procs import free_port
+from loadlab.redis_server import RedisServer
 from tests.quota.conftest import FakeClock
-from tests.support.procs import free_port
-from tests.support.redis_server import RedisServer
 
 TPM = Counter("tpm", keys.counter_key("acme", "tpm", "m", 3600), 1_000_000, 3600)
 RPM = Counter("rpm", keys.counter_key("acme", "rpm", "m", 3600), 1000, 3600)

@@ -17,7 +17,7 @@ from extproc.quota.keys import counter_key, reservation_key, usage_stream_key
 from extproc.quota.memory_backend import MemoryQuotaBackend
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.quota.windows import EXPIRY_MARGIN_S
-from tests.support.redis_server import RedisServer
+from loadlab.redis_server import RedisServer
 
 
 def tpm(limit: int = 1000, window_s: int = 60, tenant: str = "acme") -> Counter:

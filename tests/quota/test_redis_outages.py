@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from extproc.quota.base import AdmitRequest, Counter, QuotaTimeout, QuotaUnavailable, Settlement
 from extproc.quota.keys import counter_key, reservation_key
 from extproc.quota.redis_backend import RedisQuotaBackend
-from tests.support.redis_server import RedisServer
+from loadlab.redis_server import RedisServer
 
 DEADLINE_S = 0.2
 RPM = Counter("rpm", counter_key("acme", "rpm", "m", 3600), 1000, 3600)

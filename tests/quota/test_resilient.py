@@ -27,7 +27,7 @@ from extproc.quota.base import AdmitRequest, Counter, QuotaUnavailable, UsageTag
 from extproc.quota.keys import counter_key, reservation_key, usage_stream_key
 from extproc.quota.redis_backend import RedisQuotaBackend
 from extproc.quota.resilient import CircuitOpen, ResilientQuotaBackend, absorb_key
-from tests.support.redis_server import RedisServer
+from loadlab.redis_server import RedisServer
 
 WINDOW_S = 3600
 DEADLINE_S = 0.5  # short for paused servers, long enough for a loaded machine

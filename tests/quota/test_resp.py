@@ -23,7 +23,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.quota.resp import RespConnection, Script, _error, pack
-from tests.support.redis_server import RedisServer
+from loadlab.redis_server import RedisServer
 
 ECHO = Script("return {KEYS[1], ARGV[1]}")
 

@@ -24,8 +24,8 @@ from extproc.quota.orphans import Liveness, LuaScript
 from extproc.quota.redis_backend import RedisQuotaBackend, load_lua
 from extproc.quota.resilient import ResilientQuotaBackend, _Op, absorb_key
 from extproc.quota.resp import Script
+from loadlab.redis_server import RedisServer
 from tests.quota.conftest import FakeClock
-from tests.support.redis_server import RedisServer
 
 # Shadows the global ``redis`` for the script below it: every command's keys must be in
 # KEYS (the first argument; every argument for DEL). TIME takes no key.

@@ -1,7 +1,7 @@
 """Redis Cluster and Sentinel: URL forms, scripts on each tenant's master, orphans, failover.
 
 Real processes only: a 3-master cluster with one replica each and a Sentinel set-up (one
-master, one replica, three sentinels) from tests/support/redis_cluster.py. The failover tests
+master, one replica, three sentinels) from loadlab/redis_cluster.py. The failover tests
 run concurrent admit → reserve → settle load across tenants on every master through the
 backend the processor builds (``backend_from_url`` with ``Resilience``), fail a master over
 in the middle (gracefully, SIGKILL, SIGSTOP), and then prove from what Redis holds that no
@@ -35,9 +35,9 @@ from extproc.quota.resilient import CircuitOpen, Resilience, ResilientQuotaBacke
 from extproc.quota.resp import Script
 from extproc.quota.slots import key_slot
 from extproc.quota.topology import parse_redis_url, seeds_to_url
+from loadlab.procs import free_port
+from loadlab.redis_cluster import Node, RedisClusterSet, SentinelSet, wait_for
 from tests.quota.conftest import FakeClock
-from tests.support.procs import free_port
-from tests.support.redis_cluster import Node, RedisClusterSet, SentinelSet, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 1.0  # command_timeout_s, the processor's default quota_timeout_ms

@@ -10,7 +10,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.support.simulator import Simulator, running_simulator
+from loadlab.simulator import Simulator, running_simulator
 
 
 @pytest.fixture(scope="module")

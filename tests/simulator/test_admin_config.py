@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
+from loadlab.simulator import Simulator, running_simulator
 from tests.simulator.conftest import post_json
-from tests.support.simulator import Simulator, running_simulator
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import openai
 import orjson
 import pytest
 
+from loadlab.simulator import Simulator, running_simulator
 from tests.simulator.conftest import parse_sse, read_metric, wait_for_metric
-from tests.support.simulator import Simulator, running_simulator
 
 BODY = {
     "model": "gpt-4.1",

@@ -18,8 +18,8 @@ import pytest
 
 from llmsim.llmd.answers import STOCK_SENTENCES, STOCK_TOKENS
 from llmsim.llmd.tokenizer import split
+from loadlab.simulator import Simulator, running_simulator
 from tests.simulator.conftest import parse_sse, read_metric, stream_events, wait_for_metric
-from tests.support.simulator import Simulator, running_simulator
 
 PROFILE = "llm-d-v0.10.2.yaml"
 SEED = 7
@@ -668,7 +668,7 @@ async def test_echo_of_nothing_ends_the_stream_without_done(echo_sim: Simulator)
 
 def test_compat_refuses_llmsim_extensions(tmp_path):
     from llmsim.settings import ConfigError, build_config
-    from tests.support.simulator import profile_path
+    from loadlab.simulator import profile_path
 
     with pytest.raises(ConfigError) as raised:
         build_config(profile_path(PROFILE), {"ext-tokenizer": "o200k_base"}, {})

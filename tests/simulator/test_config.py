@@ -12,8 +12,8 @@ import pytest
 
 from llmsim.durations import format_duration, parse_duration
 from llmsim.settings import ConfigError, build_config
-from tests.support.procs import free_port
-from tests.support.simulator import PROFILES_DIR, REPO_ROOT, running_simulator
+from loadlab.procs import free_port
+from loadlab.simulator import PROFILES_DIR, REPO_ROOT, running_simulator
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ def _two_free_ports() -> int:
 
 
 def test_data_parallel_ranks_serve_on_consecutive_ports(tmp_path):
-    from tests.support.simulator import Simulator
+    from loadlab.simulator import Simulator
 
     port = _two_free_ports()
     sim = Simulator("fast.yaml", "--data-parallel-size", "2", port=port, log_dir=tmp_path)

@@ -10,8 +10,8 @@ import aiohttp
 import orjson
 import pytest
 
+from loadlab.simulator import Simulator, running_simulator
 from tests.simulator.conftest import read_metric, wait_for_metric
-from tests.support.simulator import Simulator, running_simulator
 
 MODEL = {"model_name": "gpt-4.1"}
 

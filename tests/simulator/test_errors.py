@@ -8,8 +8,8 @@ import aiohttp
 import openai
 import pytest
 
+from loadlab.simulator import Simulator, running_simulator
 from tests.simulator.conftest import post_json
-from tests.support.simulator import Simulator, running_simulator
 
 GOOD = {"model": "gpt-4.1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 

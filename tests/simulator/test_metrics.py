@@ -10,9 +10,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from llmsim.metrics import buckets_125
+from loadlab.simulator import Simulator
 from tests.simulator.conftest import stream_events
 from tests.simulator.test_config import _two_free_ports
-from tests.support.simulator import Simulator
 
 Families = dict[str, tuple[str, str, list[Sample]]]  # name -> (type, HELP, samples)
 

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import aiohttp
 import orjson
 
+from loadlab.simulator import Simulator, running_simulator
 from tests.simulator.conftest import read_metric, wait_for_metric
-from tests.support.simulator import Simulator, running_simulator
 
 RUNS = 3  # upper bounds use the best of this many runs: load only ever adds delay
 ZERO_LATENCY = {

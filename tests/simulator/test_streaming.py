@@ -7,8 +7,8 @@ import openai
 import pytest
 
 from extproc.tokens.encodings import load_tokenizer
+from loadlab.simulator import Simulator, running_simulator
 from tests.simulator.conftest import stream_events
-from tests.support.simulator import Simulator, running_simulator
 
 CHAT = {"model": "gpt-4.1", "messages": [{"role": "user", "content": "Tell me a story."}]}
 

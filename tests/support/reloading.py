@@ -17,8 +17,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from tests.support.gateway import Processor, grpc_serving
-from tests.support.procs import ManagedProcess, free_port
+from loadlab.gateway import Processor, grpc_serving
+from loadlab.procs import ManagedProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMITTED = 200

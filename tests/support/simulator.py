@@ -1,4 +1,4 @@
-"""An llmsim process for a test (moved to ``loadlab.simulator``), in either backend mode.
+"""An llmsim process for a test in either backend mode (``loadlab.simulator`` starts it).
 
 Gateway tests can run against both backends the gateway meets:
 
@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import pytest
 
-from loadlab.simulator import PROFILES_DIR, REPO_ROOT, Simulator, profile_path, running_simulator
+from loadlab.simulator import Simulator
 
 Mode = Literal["exact", "compat"]
 Scope = Literal["session", "package", "module", "class", "function"]
@@ -99,15 +99,10 @@ def simulator_fixture(
 __all__ = [
     "MODES",
     "MODE_PROFILES",
-    "PROFILES_DIR",
-    "REPO_ROOT",
     "Mode",
     "ModeSimulator",
     "ModeTenants",
-    "Simulator",
     "max_event_tokens",
-    "profile_path",
-    "running_simulator",
     "simulator_fixture",
     "simulator_in_mode",
 ]

@@ -1,4 +1,5 @@
-"""``extproc bench`` is wired lazily: the processor never loads the tools or their extras."""
+"""``extproc bench`` is wired lazily: the processor never loads the lab's tools or their
+dependencies."""
 
 from __future__ import annotations
 
@@ -36,17 +37,17 @@ def test_the_processor_runs_without_rich_and_matplotlib() -> None:
     assert '"config_hash"' in done.stdout
 
 
-def test_bench_without_the_tools_extra_says_so_in_one_line() -> None:
+def test_bench_without_the_lab_says_so_in_one_line() -> None:
     done = python(
         "import sys\n"
-        "sys.modules['matplotlib'] = None  # as if the tools extra weren't installed\n"
+        "sys.modules['matplotlib'] = None  # as if the lab weren't installed\n"
         "from extproc.cli import main\n"
         "raise SystemExit(main(['bench', 'benchmarks/scenarios/quick.yaml']))"
     )
     assert done.returncode == 2
     assert done.stderr.strip() == (
-        "extproc bench: needs the tools extra (matplotlib missing): "
-        "pip install 'token-quota-extproc[tools]'"
+        "extproc bench: needs the lab distribution (matplotlib missing): "
+        "pip install ./lab (token-quota-lab, in the repository)"
     )
 
 

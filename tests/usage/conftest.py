@@ -14,7 +14,7 @@ import redis
 from extproc.quota.base import AdmitRequest, Counter, UsageTags
 from extproc.quota.keys import counter_key, reservation_key
 from extproc.quota.redis_backend import RedisQuotaBackend
-from tests.support.redis_server import RedisServer
+from loadlab.redis_server import RedisServer
 
 TENANTS = ("acme", "beta corp", "gamma")
 MODELS = ("gpt-4.1", "mini")

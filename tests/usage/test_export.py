@@ -17,8 +17,8 @@ import redis
 
 from extproc.quota.base import LEDGER_FIELDS
 from extproc.usage.ledger import COLUMNS
-from tests.support.procs import ManagedProcess, free_port
-from tests.support.redis_server import RedisServer
+from loadlab.procs import ManagedProcess, free_port
+from loadlab.redis_server import RedisServer
 from tests.usage.conftest import TENANTS, all_entries, fill_ledger
 
 ROOT = Path(__file__).resolve().parents[2]

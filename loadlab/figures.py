@@ -1,4 +1,5 @@
-"""Percentiles and plain-text tables for the gateway benchmarks' output."""
+"""Figures for any benchmark: the one percentile (nearest rank), ratios, numbers and the
+plain-text tables the scripts in benchmarks/ print."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from collections.abc import Sequence
 
 
 def percentile(samples: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile (no interpolation: every figure is a real sample)."""
+    """Nearest-rank percentile, ``p`` in 0..100 (no interpolation: every figure is a real
+    sample); NaN of no sample, which ``fmt`` shows as n/a."""
     if not samples:
         return math.nan
     ordered = sorted(samples)

@@ -21,8 +21,8 @@ from typing import Any
 import redis
 
 from extproc.quota.keys import tenant_tag
+from loadlab.procs import ManagedProcess, free_port
 from loadlab.redis_server import REDIS_SERVER, accepts_connections
-from tests.support.procs import ManagedProcess, free_port
 
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 NODE_TIMEOUT_MS = 1000  # cluster-node-timeout: a dead master is failed over ~2-3 s later

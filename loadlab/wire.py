@@ -7,10 +7,15 @@ messages), so the processor runs exactly the code it runs behind a real Envoy.
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+PROMPT = "Say hello in as many words as you like."
+PROMPT_TOKENS = 16  # what the synthetic usage event reports; only settles the counters
 SSE_CHUNK_TEMPLATE = (
     b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1,'
     b'"model":"gpt-4.1","choices":[{"index":0,"delta":{"content":"%s"},'
@@ -109,3 +114,39 @@ def response(raw: bytes) -> pb.ProcessingResponse:
 def verdict_kind(response: pb.ProcessingResponse) -> str:
     """``request_body`` (admitted: continue) or ``immediate_response`` (refused) etc."""
     return response.WhichOneof("response") or "none"
+
+
+class Exchange:
+    """The serialised messages of one kind of stream, built once per client and sent as
+    bytes (replies read as bytes), so a client's cost per message stays far below the
+    processor's: a ``max_tokens`` chat request, SSE response headers, a ``" word"`` token
+    chunk and the tail (finish, usage, [DONE])."""
+
+    def __init__(self, prompt: str = PROMPT, max_tokens: int = 256) -> None:
+        self.body = chat_body(prompt, max_tokens)
+        self.request_body = request_body(self.body).SerializeToString()
+        self.response_headers = sse_response_headers().SerializeToString()
+        self.chunk = response_body(token_chunk(" word")).SerializeToString()
+
+    def headers(self, api_key: str, request_id: str) -> bytes:
+        return request_headers(api_key, request_id, len(self.body)).SerializeToString()
+
+    @staticmethod
+    def tail(tokens: int, prompt_tokens: int = PROMPT_TOKENS) -> bytes:
+        return response_body(
+            stream_tail(prompt_tokens, tokens), end_of_stream=True
+        ).SerializeToString()
+
+
+async def open_stream(call: Any, exchange: Exchange, api_key: str, request_id: str) -> bool:
+    """Request headers, body (admission), then the SSE response headers on a Process call;
+    False, the call's writing done, when admission refused."""
+    await call.write(exchange.headers(api_key, request_id))
+    await call.read()
+    await call.write(exchange.request_body)
+    if verdict_kind(response(await call.read())) != "request_body":
+        await call.done_writing()
+        return False
+    await call.write(exchange.response_headers)
+    await call.read()
+    return True
