@@ -14,8 +14,8 @@ from extproc.config import Config
 from extproc.metrics import Metrics, MetricsCollector, registry_for
 from extproc.quota.base import QuotaBackend
 from extproc.quota.factory import backend_from_url
-from extproc.quota.orphans import Liveness, start_liveness
-from extproc.quota.resilient import Resilience
+from extproc.quota.liveness.orphans import Liveness, start_liveness
+from extproc.quota.resilience.backend import Resilience
 from extproc.tokens.registry import DEFAULT_RULES, TokenizerRegistry, TokenizerRule
 from extproc.tracing import Tracer, tracer_from_env
 

@@ -30,7 +30,7 @@ from extproc.config.schema import (
     TenantSpec,
 )
 from extproc.quota.base import LedgerSettings
-from extproc.quota.topology import parse_redis_url, seeds_to_url
+from extproc.quota.redis.topology import parse_redis_url, seeds_to_url
 from extproc.tokens.registry import DEFAULT_RULES, ESTIMATOR_SPEC, TokenizerRule
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -811,7 +811,7 @@ def _normalise(config: Config) -> dict[str, Any]:
 
 
 def _redis_url(value: Any) -> str:
-    """One URL (any topology of ``extproc.quota.topology``, or ``memory://``), or a list of
+    """One URL (any topology of ``extproc.quota.redis.topology``, or ``memory://``), or a list of
     ``redis://host:port`` seeds, which means a cluster (normalised to ``redis+cluster://``)."""
     if isinstance(value, list):
         try:

@@ -77,7 +77,7 @@ is what the settling processor's own retries need (a retry within it gets
 ``already_settled``; one after it finds no record and charges nothing). ``cancel`` keeps the
 record's TTL and writes its tombstone for ``tombstone_ttl_s``: an admit may still be queued
 for that key. A processor that dies leaves its open records to its peers
-(``extproc.quota.orphans``).
+(``extproc.quota.liveness.orphans``).
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ class Verdict:
     # ``replayed=False`` the admission met a tombstone and charged nothing at all.
     cancelled: bool = False
     # Admitted from this processor's fail-open allowance while the backend was unavailable
-    # (``extproc.quota.resilient``); reconciled into the backend when it returns.
+    # (``extproc.quota.resilience.backend``); reconciled into the backend when it returns.
     local: bool = False
     # A soft refusal (``AdmitRequest.soft_refusal``): nothing charged or recorded.
     retry_soon: bool = False

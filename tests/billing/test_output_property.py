@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from extproc.billing.meter import ResponseMeter
 from extproc.config import TenantSpec, parse_config
-from extproc.quota.redis_backend import RedisQuotaBackend
+from extproc.quota.redis.backend import RedisQuotaBackend
 from extproc.runtime import Runtime
 from loadlab.redis_server import RedisServer
 from tests.billing.streams import REQUEST, config_doc

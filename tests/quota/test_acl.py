@@ -27,9 +27,9 @@ from extproc.quota.base import (
     UsageTags,
 )
 from extproc.quota.keys import counter_key, reservation_key
-from extproc.quota.orphans import start_liveness
-from extproc.quota.redis_backend import RedisQuotaBackend
-from extproc.quota.resilient import ResilientQuotaBackend, _Op, absorb_key
+from extproc.quota.liveness.orphans import start_liveness
+from extproc.quota.redis.backend import RedisQuotaBackend
+from extproc.quota.resilience.backend import ResilientQuotaBackend, _Op, absorb_key
 from loadlab.gateway import ROOT, Envoy, Processor, key_hash, write_config
 from loadlab.procs import ManagedProcess, free_port
 from loadlab.redis_server import REDIS_SERVER, accepts_connections

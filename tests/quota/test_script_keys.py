@@ -20,10 +20,10 @@ import redis.asyncio as aioredis
 from extproc.metrics import Metrics
 from extproc.quota.base import AdmitRequest, Counter, LedgerSettings, UsageTags
 from extproc.quota.keys import counter_key, heartbeat_key, reservation_key, usage_stream_key
-from extproc.quota.orphans import Liveness, LuaScript
-from extproc.quota.redis_backend import RedisQuotaBackend, load_lua
-from extproc.quota.resilient import ResilientQuotaBackend, _Op, absorb_key
-from extproc.quota.resp import Script
+from extproc.quota.liveness.orphans import Liveness, LuaScript
+from extproc.quota.redis.backend import RedisQuotaBackend, load_lua
+from extproc.quota.redis.resp import Script
+from extproc.quota.resilience.backend import ResilientQuotaBackend, _Op, absorb_key
 from loadlab.redis_server import RedisServer
 from tests.quota.conftest import FakeClock
 

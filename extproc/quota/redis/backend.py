@@ -3,8 +3,8 @@
 Each operation is one Lua script (``lua/*.lua``) so that check-and-charge is atomic across
 processors and replicas, and windows come from the Redis ``TIME`` of the server that holds
 the counters, never from a processor's clock. The scripts run on pipelined connections
-(``extproc.quota.resp``: a tenth of redis-py's CPU per call): one to a single server, one
-per master of a Cluster, one to a Sentinel-managed master (``extproc.quota.topology``);
+(``extproc.quota.redis.resp``: a tenth of redis-py's CPU per call): one to a single server, one
+per master of a Cluster, one to a Sentinel-managed master (``extproc.quota.redis.topology``);
 EVALSHA, and on NOSCRIPT (a restarted or failed-over server) EVAL, which loads the script
 again. redis-py's client serves what is off the hot path (the orphan reconciler).
 
@@ -29,7 +29,7 @@ charges nothing and replies the server's time: the offset is corrected and the c
 Ownership. Each backend instance is one processor identity (``owner_id``): admit.lua stores
 it in every admitted record and adds the record to the owner's open set in the tenant's
 slot (``keys.open_set_key``), settle.lua takes it out: the same script calls, no extra
-round trip. With ``registrations`` set (``extproc.quota.orphans`` sets it), an admission
+round trip. With ``registrations`` set (``extproc.quota.liveness.orphans`` sets it), an admission
 first makes sure the processor's index in ``{~p}`` lists that open set: a set lookup, and
 one round trip the first time a tenant is seen (and after a heartbeat lapse), so a peer
 finds every open record of a dead processor. ``settle_orphan`` is the peer's side: it
@@ -79,8 +79,8 @@ from extproc.quota.keys import (
     WINDOW_KEY_PATTERN,
     open_count_key,
 )
-from extproc.quota.orphans import Registrations
-from extproc.quota.resp import RespConnection, Script, ScriptRunner
+from extproc.quota.liveness.orphans import Registrations
+from extproc.quota.redis.resp import RespConnection, Script, ScriptRunner
 
 T = TypeVar("T")
 # What ``settle_orphan`` found: settled now, settled before (by its owner or a peer), no
@@ -140,7 +140,7 @@ _SAFE_KEY = re.compile(r"^[A-Za-z0-9:._-]*$")
 
 
 def _read_lua(name: str) -> str:
-    return resources.files("extproc.quota").joinpath("lua", name).read_text(encoding="utf-8")
+    return resources.files("extproc.quota.redis").joinpath("lua", name).read_text(encoding="utf-8")
 
 
 # Scripts that write usage ledger entries: lua/ledger.lua goes before them too.
@@ -241,7 +241,7 @@ class RedisQuotaBackend:
         self._command_timeout_s = command_timeout_s
         self.owner_id = owner_id or new_owner_id()
         self.settled_ttl_s = settled_ttl_s
-        # Set by ``extproc.quota.orphans.Liveness``; None: no index is kept (no cost at all).
+        # Set by ``extproc.quota.liveness.orphans.Liveness``; None: no index is kept (no cost).
         self.registrations: Registrations | None = None
         self._owner_part = keynames.encode_name(self.owner_id)
         self._admit = Script(self.script_source("admit.lua"))

@@ -57,7 +57,7 @@ The queue lives in this process only. What it still holds when the process dies 
 stops with Redis still away) is not lost from the books: a queued settlement or cancel
 belongs to a record that is still open in Redis, in this processor's open set
 (``admit.lua``), and a live peer settles it at what it reserved once this processor's
-heartbeat is gone (``extproc.quota.orphans``): billed as charged. Queued absorbs (what was
+heartbeat is gone (``extproc.quota.liveness.orphans``): billed as charged. Queued absorbs (what was
 served from the allowance) die with the process.
 """
 
@@ -91,16 +91,16 @@ from extproc.quota.base import (
     Verdict,
 )
 from extproc.quota.keys import usage_stream_key, window_key
-from extproc.quota.memory_backend import MemoryQuotaBackend
-from extproc.quota.redis_backend import (
+from extproc.quota.memory.backend import MemoryQuotaBackend
+from extproc.quota.redis.backend import (
     WINDOW_RETRIES,
     RedisQuotaBackend,
     WrongWindow,
     load_lua,
 )
-from extproc.quota.resp import Script
+from extproc.quota.redis.resp import Script
 
-log = structlog.get_logger("extproc.quota.resilient")
+log = structlog.get_logger("extproc.quota.resilience.backend")
 T = TypeVar("T")
 
 
