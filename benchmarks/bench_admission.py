@@ -97,9 +97,9 @@ async def in_process(config_path: Path, body: bytes, n: int) -> list[float]:
     """
     import gc
 
+    from extproc.app.runtime import Runtime
     from extproc.config import load_config
-    from extproc.runtime import Runtime
-    from extproc.session import Session
+    from extproc.exchange.session import Session
 
     runtime = Runtime(load_config(config_path))
     runtime.warm_up()

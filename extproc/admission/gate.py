@@ -11,6 +11,7 @@ import structlog
 
 from extproc.admission.errors import ApiError, invalid_request, model_not_found, unauthorized
 from extproc.admission.identity import KeyRing, presented_key
+from extproc.admission.lease import REFUND_RETRY_S, first_lease, refund_retries
 from extproc.admission.limit_names import describe_limit
 from extproc.admission.policy import PolicyBook, QuotaPolicy, limit_kind
 from extproc.admission.ratelimit_headers import ratelimit_headers, retry_after
@@ -21,7 +22,6 @@ from extproc.admission.request import (
     parse_unserialised,
     serialise,
 )
-from extproc.billing.lease import REFUND_RETRY_S, first_lease, refund_retries
 from extproc.config import Config, TenantSpec
 from extproc.config.schema import NANO_PER_UNIT
 from extproc.metrics import Metrics

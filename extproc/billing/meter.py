@@ -18,11 +18,7 @@ from typing import TYPE_CHECKING, Literal
 import orjson
 import structlog
 
-from extproc.admission.limit_names import describe_limit
-from extproc.admission.policy import limit_kind
-from extproc.billing import answer
-from extproc.billing.decoding import DECODABLE, Decoder, UndecodableBody, encodings
-from extproc.billing.lease import (
+from extproc.admission.lease import (
     REFUND_RETRY_S,
     cover_lease,
     fair_share,
@@ -30,6 +26,10 @@ from extproc.billing.lease import (
     next_lease,
     refund_retries,
 )
+from extproc.admission.limit_names import describe_limit
+from extproc.admission.policy import limit_kind
+from extproc.billing import answer
+from extproc.billing.decoding import DECODABLE, Decoder, UndecodableBody, encodings
 from extproc.billing.output import OutputCount
 from extproc.billing.sse import (
     MALFORMED,
@@ -44,7 +44,7 @@ from extproc.tracing import ExchangeSpan, fail
 
 if TYPE_CHECKING:
     from extproc.admission.gate import Admitted
-    from extproc.runtime import Runtime
+    from extproc.app.runtime import Runtime
 
 log = structlog.get_logger("extproc.billing")
 
@@ -408,7 +408,7 @@ class ResponseMeter:
     # -- leases ----------------------------------------------------------------------------
 
     def _lease_ahead(self) -> None:
-        """Reserve in the background what ``extproc.billing.lease.next_lease`` says is due.
+        """Reserve in the background what ``extproc.admission.lease.next_lease`` says is due.
 
         One batch in hand before the first token (admission's share topped up on the first
         event), the next batch once the current one is half used: at most one batch ahead,

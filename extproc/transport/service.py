@@ -10,9 +10,9 @@ import grpc
 import structlog
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.runtime import Runtime
-from extproc.session import Session
-from extproc.transport import messages as msg
+from extproc.app.runtime import Runtime
+from extproc.exchange import messages as msg
+from extproc.exchange.session import Session
 
 log = structlog.get_logger("extproc.service")
 

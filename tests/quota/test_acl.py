@@ -331,9 +331,9 @@ def test_a_processor_with_a_wrong_password_does_not_start_and_says_why(
 async def test_the_processor_user_over_rediss_with_the_config_credentials(tmp_path: Path):
     """TLS to Redis (rediss://, the CA in the URL) with the ACL user and a password file:
     the configuration's path to Redis, both of the backend's connections."""
+    from extproc.app.runtime import redis_credentials
     from extproc.config import parse_config
     from extproc.quota.factory import backend_from_url
-    from extproc.runtime import redis_credentials
     from loadlab.redis_server import make_tls_files
 
     ca, crt, key = make_tls_files(tmp_path / "tls")

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from extproc.app.runtime import Runtime
 from extproc.config import ConfigError, parse_config
 from extproc.metrics import Metrics
 from extproc.quota import keys
@@ -31,7 +32,6 @@ from extproc.quota.liveness.orphans import (
 )
 from extproc.quota.redis.backend import RedisQuotaBackend
 from extproc.quota.redis.resp import RespConnection
-from extproc.runtime import Runtime
 from loadlab.procs import free_port
 from loadlab.redis_server import RedisServer
 from tests.quota.conftest import FakeClock

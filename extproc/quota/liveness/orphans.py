@@ -6,7 +6,7 @@ reservation it held open keeps its whole charge, prompt + the output reserved so
 because nobody knows any more how much of it was delivered:
 
 * a leased stream had forwarded tokens plus the lease in hand, which the lease-ahead rule
-  (``extproc.billing.lease``) keeps within one batch of the one being delivered: at most
+  (``extproc.admission.lease``) keeps within one batch of the one being delivered: at most
   ``1.5 × batch_tokens`` not yet forwarded (48 tokens at the default batch of 32);
 * a request reserved whole (not streamed, ``reserve_max``) had prompt + ``max_tokens × n``.
 

@@ -20,9 +20,9 @@ from extproc.tokens.registry import DEFAULT_RULES, TokenizerRegistry, TokenizerR
 from extproc.tracing import Tracer, tracer_from_env
 
 if TYPE_CHECKING:
-    from extproc.session import Session
+    from extproc.exchange.session import Session
 
-log = structlog.get_logger("extproc.runtime")
+log = structlog.get_logger("extproc.app.runtime")
 
 
 def tokenizer_rules(config: Config) -> list[TokenizerRule]:
@@ -127,7 +127,7 @@ class Runtime:
         self.metrics.tokenizer_fallbacks_total = self.registry.load_failures
 
     def install(self, config: Config, registry: TokenizerRegistry) -> None:
-        """Swap in a validated configuration (``extproc.config.reload``) and its warmed-up
+        """Swap in a validated configuration (``extproc.app.reload``) and its warmed-up
         tokenizers: one step on the loop, so every session sees the old admission side or the
         new one, never a mix. Sessions keep the one they started with; the quota backend and
         the prompt-counting pool are shared, not rebuilt."""

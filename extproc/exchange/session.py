@@ -20,14 +20,14 @@ from extproc.admission.ratelimit_headers import ratelimit_headers
 from extproc.admission.request import METERED_PATHS
 from extproc.admission.routes import upstream_allowed
 from extproc.billing.meter import ResponseMeter
+from extproc.exchange import messages as msg
 from extproc.tracing import ExchangeSpan, fail
-from extproc.transport import messages as msg
 
 if TYPE_CHECKING:
+    from extproc.app.runtime import Runtime
     from extproc.config import TenantSpec
-    from extproc.runtime import Runtime
 
-log = structlog.get_logger("extproc.session")
+log = structlog.get_logger("extproc.exchange.session")
 
 QUOTA_UNAVAILABLE = ApiError(
     503,

@@ -26,7 +26,7 @@ from extproc.config.loader import load_config, source_files
 from extproc.config.schema import Config, ConfigError
 
 if TYPE_CHECKING:
-    from extproc.runtime import Runtime
+    from extproc.app.runtime import Runtime
     from extproc.tokens.registry import TokenizerRegistry
 
 log = structlog.get_logger("extproc.reload")
@@ -168,7 +168,7 @@ class ConfigReloader:
     def _prepare(self, old: Config) -> tuple[Config, TokenizerRegistry | None]:
         """In a worker thread: the validated config and its warmed-up tokenizer registry
         (None: the file holds the running configuration)."""
-        from extproc.runtime import build_registry
+        from extproc.app.runtime import build_registry
 
         self._seen = _content_digest(self.path)
         new = load_config(self.path, self.overrides)
