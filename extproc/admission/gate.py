@@ -72,6 +72,8 @@ class Admitted:
     output_reserved: int  # output tokens covered by the admission charge
     states: tuple[CounterState, ...]
     replayed: bool
+    # Of the configuration it was admitted under: a refused lease is asked again this long.
+    refund_wait_s: float
 
     @property
     def metric_labels(self) -> tuple[str, str]:
@@ -195,7 +197,7 @@ class Admission:
         if not policy.metered:
             return Admitted(
                 tenant, request, policy, tokenizer, reservation_key,
-                prompt_tokens, output_reserved, (), False,
+                prompt_tokens, output_reserved, (), False, self.config.refund_wait_s,
             )  # fmt: skip
         charge = AdmitRequest(
             reservation_key=reservation_key,
@@ -237,7 +239,7 @@ class Admission:
         states = policy.enforced(verdict.states)
         return Admitted(
             tenant, request, policy, tokenizer, reservation_key,
-            prompt_tokens, output_reserved, states, verdict.replayed,
+            prompt_tokens, output_reserved, states, verdict.replayed, self.config.refund_wait_s,
         )  # fmt: skip
 
     def close(self) -> None:

@@ -100,7 +100,7 @@ async def serve(
             ("grpc.so_reuseport", 1),  # --workers: N processes share the listen port
         ]
     )
-    service = ExternalProcessorService(runtime)
+    service = ExternalProcessorService(runtime.session, runtime.metrics, runtime.spawn)
     pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

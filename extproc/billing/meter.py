@@ -13,7 +13,8 @@ Settlement commits what was delivered and refunds the rest of the reservation, o
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import orjson
 import structlog
@@ -39,12 +40,12 @@ from extproc.billing.sse import (
     SseReassembler,
     parse_json_data,
 )
-from extproc.quota.base import SettleReason
+from extproc.quota.base import QuotaBackend, SettleReason
 from extproc.tracing import ExchangeSpan, fail
 
 if TYPE_CHECKING:
     from extproc.admission.gate import Admitted
-    from extproc.app.runtime import Runtime
+    from extproc.metrics import Metrics
 
 log = structlog.get_logger("extproc.billing")
 
@@ -68,18 +69,29 @@ _BOM = b"\xef\xbb\xbf"
 _SSE_STARTS = (b"data", b"event", b"id", b"retry", b":")
 
 
+class BillingDeps(Protocol):
+    """What a meter uses of the processor: the quota backend it leases from and settles on,
+    the metrics it counts in, and ``spawn``, which runs a settlement to its end even when the
+    stream that started it is cancelled (``extproc.app.runtime.Billing`` provides them)."""
+
+    @property
+    def backend(self) -> QuotaBackend: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], /) -> object: ...
+
+
 class ResponseMeter:
     def __init__(
-        self,
-        admitted: Admitted,
-        runtime: Runtime,
-        refund_wait_s: float | None = None,
-        trace: ExchangeSpan | None = None,
+        self, admitted: Admitted, billing: BillingDeps, trace: ExchangeSpan | None = None
     ) -> None:
         self.admitted = admitted
         self.trace = trace  # tracing on: a span per lease batch and one for the settlement
-        self.runtime = runtime
-        self.metrics = runtime.metrics
+        self.backend = billing.backend
+        self.metrics = billing.metrics
+        self.spawn = billing.spawn
         self._labels = admitted.metric_labels  # (model, plan)
         self.states = admitted.states
         self.mode: Mode = "pending"
@@ -98,9 +110,8 @@ class ResponseMeter:
         self.lease_task: asyncio.Task[None] | None = None
         self.exhausted = False
         self.refusals = 0  # leases refused while others held reservations (asked again)
-        self._refusal_retries = refund_retries(
-            runtime.config.refund_wait_s if refund_wait_s is None else refund_wait_s
-        )  # the config it was admitted under (a reload may have come since)
+        # The configuration it was admitted under (a reload may have come since).
+        self._refusal_retries = refund_retries(admitted.refund_wait_s)
         self.retry_due = False  # the last lease was such a refusal: wait, then ask again
         self.exhausted_code = "tpm_limit_exceeded"
         self.exhausted_what = "tokens per minute"  # the limit that cut, for the message
@@ -148,7 +159,7 @@ class ResponseMeter:
         if len(codings) > 1 or (codings and codings[0] not in DECODABLE):
             log.warning("unreadable_encoding", request_id=self._rid, encoding=content_encoding)
             self.mode = "unreadable"
-            self.runtime.spawn(self.settle("unreadable"))
+            self.spawn(self.settle("unreadable"))
             return
         if codings:
             self._decoder = Decoder()
@@ -454,7 +465,7 @@ class ResponseMeter:
             span = self.trace.child("extproc.lease", **{"extproc.seq": self.seq})
             span.set_attribute("extproc.amount", amount)
         try:
-            grant = await self.runtime.backend.reserve(
+            grant = await self.backend.reserve(
                 self.admitted.reservation_key,
                 self.seq,
                 self.admitted.policy.token_counters,
@@ -563,12 +574,12 @@ class ResponseMeter:
 
     def _finish(self, reason: str) -> bool:
         self.finished = True
-        self.runtime.spawn(self.settle(reason))
+        self.spawn(self.settle(reason))
         return True
 
     def _complete(self) -> None:
         self.completed = True
-        self.runtime.spawn(self.settle("completed"))
+        self.spawn(self.settle("completed"))
 
     # -- settlement ------------------------------------------------------------------------
 
@@ -657,7 +668,7 @@ class ResponseMeter:
             # A Redis backend (wrapped by the factory in ``ResilientQuotaBackend``) keeps
             # what it cannot apply now in its queue and applies it when Redis returns, so
             # the settlement is not retried here; memory:// cannot fail.
-            settlement = await self.runtime.backend.settle(
+            settlement = await self.backend.settle(
                 self.admitted.reservation_key,
                 counters,
                 used,
