@@ -170,9 +170,7 @@ class Runtime:
                 log.error("drain_timeout", pending=len(self._background))
                 break
             await asyncio.wait(list(self._background), timeout=remaining)
-        flush = getattr(self.backend, "flush", None)
-        if flush is not None:
-            await flush(max(0.0, deadline - loop.time()))
+        await self.backend.flush(max(0.0, deadline - loop.time()))
 
     async def close(self) -> None:
         if self.liveness is not None:

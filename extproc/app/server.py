@@ -74,12 +74,8 @@ async def serve(
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
     where = config.normalised["redis_url"]
-    check = getattr(runtime.backend, "check", None)  # Redis backends: says why it failed
     try:
-        if check is not None:
-            await check()
-        elif not await runtime.backend.ping():
-            raise QuotaUnavailable("no answer")
+        await runtime.backend.check()  # says why it failed
     except QuotaMisconfigured as exc:
         raise RuntimeError(f"quota backend at {where}: {exc}") from exc
     except QuotaUnavailable as exc:

@@ -22,6 +22,8 @@ import redis
 
 from extproc.metrics import Metrics
 from extproc.quota.base import (
+    AbsorbedUsage,
+    Absorption,
     AdmitRequest,
     Counter,
     UsageTags,
@@ -29,7 +31,7 @@ from extproc.quota.base import (
 from extproc.quota.keys import counter_key, reservation_key
 from extproc.quota.liveness.orphans import start_liveness
 from extproc.quota.redis.backend import RedisQuotaBackend
-from extproc.quota.resilience.backend import ResilientQuotaBackend, _Op, absorb_key
+from extproc.quota.resilience.backend import ResilientQuotaBackend, absorb_key
 from loadlab.gateway import ROOT, Envoy, Processor, key_hash, write_config
 from loadlab.procs import ManagedProcess, free_port
 from loadlab.redis_server import REDIS_SERVER, accepts_connections
@@ -136,10 +138,10 @@ async def test_the_processor_user_runs_every_quota_path(acl_redis: AclRedis, adm
         assert status == "settled"
         # the fail-open reconciliation script (loaded by redis-py: EVALSHA, SCRIPT LOAD)
         start = int(admin.time()[0]) // 3600 * 3600
-        op = _Op("absorb", absorb_key(reservation_key("acl", "r4")),
-                 entries=((tpm.key, 3600, start, 7),), tokens=7,
-                 ledger=("pro", "m", "c", "completed", 2, 5, ""))  # fmt: skip
-        await backend._absorb_call(op)  # what the queue's worker runs when Redis returns
+        absorption = Absorption(absorb_key(reservation_key("acl", "r4")),
+                                ((tpm.key, 3600, start, 7),),
+                                AbsorbedUsage("pro", "m", "c", "completed", 2, 5, ""))  # fmt: skip
+        await primary.absorb(absorption)  # what the queue's worker runs when Redis returns
         # the liveness loop: heartbeat, registration of open records, sweep of dead peers
         await asyncio.sleep(0.5)
         assert admin.exists(f"tq:{{~p}}:hb:{primary.owner_id}")

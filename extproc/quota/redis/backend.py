@@ -61,6 +61,7 @@ from extproc.quota import windows
 from extproc.quota.base import (
     RECORD_TTL_S,
     SETTLED_TTL_S,
+    Absorption,
     AdmitRequest,
     Counter,
     CounterState,
@@ -78,6 +79,8 @@ from extproc.quota.keys import (
     RESERVATION_KEY_PATTERN,
     WINDOW_KEY_PATTERN,
     open_count_key,
+    usage_stream_key,
+    window_key,
 )
 from extproc.quota.liveness.orphans import Registrations
 from extproc.quota.redis.resp import RespConnection, Script, ScriptRunner
@@ -246,6 +249,7 @@ class RedisQuotaBackend:
         self._owner_part = keynames.encode_name(self.owner_id)
         self._admit = Script(self.script_source("admit.lua"))
         self._reserve = Script(self.script_source("reserve.lua"))
+        self._absorb = Script(load_lua("absorb.lua"))
         self.ledger = ledger if ledger is not None else LedgerSettings()  # builds _settle
         # Server clock minus ours, learned from the TIME in every reply.
         self.clock_offset_s = 0.0
@@ -365,10 +369,6 @@ class RedisQuotaBackend:
                 return await self._scripts.probe(shard)
         except (RedisError, OSError):  # TimeoutError included
             return False
-
-    async def run(self, operation: str, script: Script, keys: list[Any], args: list[Any]) -> Any:
-        """One script call of another module (the absorb) under this backend's deadline."""
-        return await self._call(operation, self._scripts.run_script(script, keys, args))
 
     async def _call(self, operation: str, call: Awaitable[T]) -> T:
         """Run one script call under the deadline, mapping failures to the quota errors."""
@@ -607,6 +607,38 @@ class RedisQuotaBackend:
         if status in ("settled", "already_settled"):
             return status, _settlement(status == "already_settled", summary)
         return status, None
+
+    async def absorb(self, absorption: Absorption) -> bool:
+        """absorb.lua: every entry is charged to its counter's current window on the server
+        (the only live one), whose key is passed; a wrong guess of the server's clock is
+        retried. Its ledger entry names those windows."""
+        now_s = self.server_now_s()
+        usage, ledger = absorption.usage, self.ledger
+        on = usage is not None and ledger.enabled
+        fields = ("", "", "", "completed", 0, 0, "") if usage is None else (
+            usage.plan, usage.model, usage.client_request_id, usage.reason,
+            usage.prompt_tokens, usage.output_tokens, usage.admitted_at_us,
+        )  # fmt: skip
+        for _ in range(WINDOW_RETRIES + 1):
+            keys = [absorption.key]
+            args: list[Any] = [RECORD_TTL_S, windows.EXPIRY_MARGIN_S, 1 if on else 0,
+                               ledger.max_len, ledger.retention_s * 1000, *fields]  # fmt: skip
+            for prefix, window_s, start, amount in absorption.entries:
+                current = windows.window_start(now_s, window_s)
+                keys.append(window_key(prefix, current))
+                args += (window_s, current, start, amount)
+            keys.append(usage_stream_key(absorption.key))
+            call = self._scripts.run_script(self._absorb, keys, args)
+            reply = await self._call("absorb", call)
+            if int(reply[0]) != 2:
+                return int(reply[0]) == 0
+            self.window_retries += 1
+            now_s = int(self.learn_clock(reply[2], reply[3]))
+        raise WrongWindow("quota absorb: window keys kept missing the server's clock")
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Nothing is held back here (the resilient wrapper queues what Redis can't take)."""
+        return True
 
     async def check(self) -> None:
         """PING, raising why it failed: ``QuotaMisconfigured`` when Redis refuses the
