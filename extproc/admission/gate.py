@@ -16,7 +16,6 @@ from extproc.admission.limit_names import describe_limit
 from extproc.admission.policy import PolicyBook, QuotaPolicy, limit_kind
 from extproc.admission.ratelimit_headers import ratelimit_headers, retry_after
 from extproc.admission.request import (
-    Endpoint,
     ModelRequest,
     parse_model_request,
     parse_unserialised,
@@ -24,6 +23,7 @@ from extproc.admission.request import (
 )
 from extproc.config import Config, TenantSpec
 from extproc.config.schema import NANO_PER_UNIT
+from extproc.endpoints import Endpoint
 from extproc.metrics import Metrics
 from extproc.quota import keys
 from extproc.quota.base import (
@@ -131,7 +131,7 @@ class Admission:
     async def admit(
         self,
         tenant: TenantSpec,
-        endpoint: Endpoint,
+        endpoint: Endpoint | str,
         request_id: str,
         raw_body: bytes,
         client_request_id: str = "",

@@ -29,7 +29,7 @@ from extproc.admission.lease import (
 )
 from extproc.admission.limit_names import describe_limit
 from extproc.admission.policy import limit_kind
-from extproc.billing import answer
+from extproc.billing import answer, closing
 from extproc.billing.decoding import DECODABLE, Decoder, UndecodableBody, encodings
 from extproc.billing.output import OutputCount
 from extproc.billing.sse import (
@@ -56,7 +56,6 @@ log = structlog.get_logger("extproc.billing")
 Mode = Literal["pending", "sniff", "sse", "done", "json", "unreadable"]
 # Our count may differ from the upstream's usage by this much before it is flagged.
 USAGE_TOLERANCE = 0.02
-_DONE = b"data: [DONE]\n\n"
 # ``_cost`` of an event that is not forwarded as counted: the forced usage chunk (withheld),
 # ``[DONE]`` (forwarded; the rest of the body is dropped), data no client parser reads
 # (the stream ends there as an upstream error).
@@ -524,53 +523,19 @@ class ResponseMeter:
     # -- ending ----------------------------------------------------------------------------
 
     def _closing_bytes(self, code: str) -> bytes:
-        """The events that end a stream we cut: an error event, or a normal length stop."""
-        limit = code.endswith("_exceeded")
-        if self.admitted.policy.on_exhaustion == "truncate" and limit:
-            return self._truncation_bytes()
-        messages = {
-            "tpm_limit_exceeded": "Token rate limit reached: the stream was ended because the "
-            "tenant's token budget is used up. Please try again later.",
-            "daily_budget_exceeded": "Daily token budget reached: the stream was ended.",
-            "timeout": "The upstream stopped sending: the stream was ended by the gateway.",
-            "upstream_error": "The upstream sent an event stream the gateway cannot read.",
-            "quota_unavailable": "The quota service is unavailable: the stream was ended by "
-            "the gateway. Please retry.",
-            "shutdown": "The gateway is restarting: the stream was ended before the answer "
-            "was complete. Please retry.",
-        }
-        message = messages.get(code) or (
-            f"Rate limit reached on {self.exhausted_what}: the stream was ended. "
-            "Please try again later."
-        )
-        error_type = "rate_limit_error" if limit else "api_error"
-        error = {"error": {"message": message, "type": error_type, "code": code}}
-        return b"data: " + orjson.dumps(error) + b"\n\n" + _DONE
-
-    def _truncation_bytes(self) -> bytes:
-        last = self._output.last_chunk or {}
-        is_chat = self.admitted.request.endpoint == "chat"
-        indices = self._output.choice_indices() or [0]
-        if is_chat:
-            choices = [{"index": i, "delta": {}, "finish_reason": "length"} for i in indices]
-        else:
-            choices = [{"index": i, "text": "", "finish_reason": "length"} for i in indices]
-        final = {
-            "id": last.get("id", f"cmpl-{self._rid}"),
-            "object": last.get("object", "chat.completion.chunk" if is_chat else "text_completion"),
-            "created": last.get("created", 0),
-            "model": last.get("model", self.admitted.request.requested_model),
-            "choices": choices,
-        }
-        out = b"data: " + orjson.dumps(final) + b"\n\n"
-        if self.admitted.request.client_wants_usage:
-            usage = {
-                "prompt_tokens": self.admitted.prompt_tokens,
-                "completion_tokens": self.delivered,
-                "total_tokens": self.admitted.prompt_tokens + self.delivered,
-            }
-            out += b"data: " + orjson.dumps({**final, "choices": [], "usage": usage}) + b"\n\n"
-        return out + _DONE
+        """The events that end a stream we cut (``extproc.billing.closing``)."""
+        if self.admitted.policy.on_exhaustion == "truncate" and code.endswith("_exceeded"):
+            request = self.admitted.request
+            usage = (self.admitted.prompt_tokens, self.delivered)
+            return closing.length_stop(
+                request.endpoint,
+                self._output.last_chunk,
+                self._output.choice_indices(),
+                f"cmpl-{self._rid}",
+                request.requested_model,
+                usage if request.client_wants_usage else None,
+            )
+        return closing.error_event(code, self.exhausted_what)
 
     def _finish(self, reason: str) -> bool:
         self.finished = True

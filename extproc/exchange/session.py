@@ -18,9 +18,9 @@ from extproc.admission.errors import ApiError, invalid_request
 from extproc.admission.gate import Admission, Admitted
 from extproc.admission.identity import UNTRUSTED_HEADERS
 from extproc.admission.ratelimit_headers import ratelimit_headers
-from extproc.admission.request import METERED_PATHS
 from extproc.admission.routes import upstream_allowed
 from extproc.billing.meter import BillingDeps, ResponseMeter
+from extproc.endpoints import METERED_PATHS
 from extproc.exchange import messages as msg
 from extproc.tracing import ExchangeSpan, Tracer, fail
 
@@ -269,7 +269,7 @@ class Session:
             )
             span.end()
             model, plan = admitted.metric_labels
-            self.trace.admitted(admitted.request.endpoint, model, plan, self.tenant.id)
+            self.trace.admitted(admitted.request.endpoint.operation, model, plan, self.tenant.id)
         self.admitted = admitted
         self.meter = ResponseMeter(admitted, self.billing, self.trace)
         self.open_sessions.add(self)
