@@ -29,7 +29,7 @@ from extproc.admission.lease import (
 )
 from extproc.admission.limit_names import describe_limit
 from extproc.admission.policy import limit_kind
-from extproc.billing import answer, closing
+from extproc.billing import answer, closing, sniff
 from extproc.billing.decoding import DECODABLE, Decoder, UndecodableBody, encodings
 from extproc.billing.output import OutputCount
 from extproc.billing.sse import (
@@ -62,10 +62,6 @@ USAGE_TOLERANCE = 0.02
 _WITHHELD = -1
 _DONE_EVENT = -2
 _UNREADABLE = -3
-_GZIP_MAGIC = b"\x1f\x8b"
-_BOM = b"\xef\xbb\xbf"
-# How an event stream starts: a field line (after any BOM and blank lines).
-_SSE_STARTS = (b"data", b"event", b"id", b"retry", b":")
 
 
 class BillingDeps(Protocol):
@@ -269,31 +265,23 @@ class ResponseMeter:
         return tail, self._finish("unreadable")
 
     def _sniff(self, chunk: bytes, end_of_stream: bool) -> bytes:
-        """What a ``text/event-stream`` body is, from its first bytes: gzip (the magic, with
-        no ``Content-Encoding``: decoded, as clients decode it), SSE (a field line after any
-        BOM and blank lines), or anything else (one JSON answer, JSON lines, text: read
-        whole like a JSON answer). Returns the bytes to go on with once decided; until then
-        holds them (the mode stays ``sniff``)."""
+        """What a ``text/event-stream`` body is (``extproc.billing.sniff``). Returns the
+        bytes to go on with once decided; until then holds them (the mode stays ``sniff``)."""
         held = self._held + chunk
         if self._decoder is None:
-            if len(held) < 2 and _GZIP_MAGIC.startswith(held) and not end_of_stream:
+            if sniff.maybe_gzip(held, end_of_stream):
                 self._held = held
                 return b""
-            if held.startswith(_GZIP_MAGIC):
+            if held.startswith(sniff.GZIP_MAGIC):
                 log.warning("undeclared_gzip_body", request_id=self._rid)
                 self._decoder = Decoder()
                 held = self._decoder.feed(held, end_of_stream)
-        start = 3 if held.startswith(_BOM) else 0
-        if start == 0 and len(held) < 3 and _BOM.startswith(held) and held:
-            start = len(held)  # maybe the start of a BOM
-        rest = held[start:].lstrip(b"\r\n")
-        if not end_of_stream and (
-            not rest or (len(rest) < 5 and any(f.startswith(rest) for f in _SSE_STARTS))
-        ):
+        kind = sniff.event_stream_kind(held, end_of_stream)
+        if kind == "undecided":
             self._held = held
             return b""
         self._held = b""
-        if not rest or rest.startswith(_SSE_STARTS):
+        if kind == "sse":
             self.mode = "sse"
         else:
             log.warning("event_stream_not_sse", request_id=self._rid)
