@@ -97,9 +97,8 @@ async def in_process(config_path: Path, body: bytes, n: int) -> list[float]:
     """
     import gc
 
+    from extproc.app.runtime import Runtime
     from extproc.config import load_config
-    from extproc.runtime import Runtime
-    from extproc.session import Session
 
     runtime = Runtime(load_config(config_path))
     runtime.warm_up()
@@ -110,7 +109,7 @@ async def in_process(config_path: Path, body: bytes, n: int) -> list[float]:
     latencies: list[float] = []
     try:
         for i in range(n + 20):
-            session = Session(runtime)
+            session = runtime.session()
             headers = wire.request_headers(BENCH_KEY, f"inproc-{tag}-{i}", len(body))
             t0 = time.perf_counter()
             await session.handle(headers)

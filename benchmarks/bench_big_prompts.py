@@ -168,8 +168,8 @@ class StageRow:
 
 def stage_costs(config_path: Path, prompt_bytes: int, ascii_only: bool, reps: int) -> None:
     from extproc.admission.request import parse_model_request
+    from extproc.app.runtime import tokenizer_rules
     from extproc.config import load_config
-    from extproc.runtime import tokenizer_rules
     from extproc.tokens.prompt import count_prompt_tokens
     from extproc.tokens.registry import TokenizerRegistry
     from extproc.tokens.text import decode_utf8
@@ -256,9 +256,9 @@ def _offloaded_count_stages(
 
 
 async def _admission_stalls(config_path: Path, bodies: dict[str, bytes], n: int) -> list[list[str]]:
+    from extproc.app.runtime import Runtime
     from extproc.config import load_config
-    from extproc.runtime import Runtime
-    from extproc.session import Session
+    from extproc.exchange.session import Session
 
     runtime = Runtime(load_config(config_path))
     runtime.warm_up()
@@ -358,8 +358,8 @@ async def _handoff_rows(registry: Any, text: str, reps: int) -> list[list[str]]:
 def handoff_costs(config_path: Path, ascii_only: bool, reps: int) -> None:
     """Where the thread hop pays: counting on the loop (the loop waits all of it) vs in a
     worker (the loop spends only the hand-off; the request waits the count + the hop)."""
+    from extproc.app.runtime import tokenizer_rules
     from extproc.config import load_config
-    from extproc.runtime import tokenizer_rules
     from extproc.tokens.registry import TokenizerRegistry
 
     registry = TokenizerRegistry(tokenizer_rules(load_config(config_path)))
@@ -376,8 +376,8 @@ def slice_costs(config_path: Path, prompt_bytes: int, ascii_only: bool) -> None:
     except ImportError:
         return
     from extproc.admission.request import parse_model_request
+    from extproc.app.runtime import tokenizer_rules
     from extproc.config import load_config
-    from extproc.runtime import tokenizer_rules
     from extproc.tokens.registry import TokenizerRegistry
 
     config = load_config(config_path)
@@ -887,7 +887,7 @@ def probed(main, **kw):
             task.cancel()
     return run(both(), **kw)
 asyncio.run = probed
-from extproc.cli import main
+from extproc.app.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from redis.exceptions import NoScriptError
 
 from extproc.quota.factory import backend_from_url
-from extproc.quota.redis_backend import RedisQuotaBackend
-from extproc.quota.resp import Script
-from extproc.quota.topology import build_client, parse_redis_url
+from extproc.quota.redis.backend import RedisQuotaBackend
+from extproc.quota.redis.resp import Script
+from extproc.quota.redis.topology import build_client, parse_redis_url
 from loadlab.redis_cluster import RedisClusterSet, SentinelSet
 from loadlab.redis_server import RedisServer
 

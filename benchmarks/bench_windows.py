@@ -39,7 +39,7 @@ import redis.asyncio as aioredis
 
 from extproc.quota import keys
 from extproc.quota.base import AdmitRequest, Counter
-from extproc.quota.redis_backend import TEST_CLOCK_ENV, RedisQuotaBackend
+from extproc.quota.redis.backend import TEST_CLOCK_ENV, RedisQuotaBackend
 from loadlab.figures import fmt, ratio, table
 from loadlab.redis_server import RedisServer
 

@@ -11,7 +11,7 @@ time. Here a client whose connection went to a worker that already has its share
 stopped and started again (a new source port), until each worker has the same number of
 clients — read from /proc (which worker process owns the server end of each client's
 connection), never guessed. Envoy's equivalent is renewing its connections
-(``max_requests_per_connection``, see extproc/transport/workers.py).
+(``max_requests_per_connection``, see extproc/app/workers.py).
 
 Cores (the machine has 2, shared with the clients): 1 worker — the worker on core 0, the
 clients on core 1, as bench_processor_throughput.py; 2 workers — worker 0 on core 0,

@@ -21,8 +21,8 @@ import redis.asyncio as aioredis
 
 from extproc.quota.base import AdmitRequest, Counter, QuotaBackend
 from extproc.quota.keys import counter_key, reservation_key
-from extproc.quota.memory_backend import MemoryQuotaBackend
-from extproc.quota.redis_backend import RedisQuotaBackend
+from extproc.quota.memory.backend import MemoryQuotaBackend
+from extproc.quota.redis.backend import RedisQuotaBackend
 from loadlab.figures import percentile
 from loadlab.redis_server import RedisServer
 

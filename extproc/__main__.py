@@ -1,3 +1,3 @@
-from extproc.cli import main
+from extproc.app.cli import main
 
 raise SystemExit(main())

@@ -38,7 +38,6 @@ from extproc import __version__
 log = structlog.get_logger("extproc.tracing")
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-_OPERATIONS = {"chat": "chat", "completions": "text_completion"}
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 
 
@@ -98,9 +97,8 @@ class ExchangeSpan:
             name, context=self._context, kind=SpanKind.INTERNAL, attributes=attributes
         )
 
-    def admitted(self, endpoint: str, model: str, plan: str, tenant: str) -> None:
+    def admitted(self, operation: str, model: str, plan: str, tenant: str) -> None:
         # GenAI semantic conventions: "{gen_ai.operation.name} {gen_ai.request.model}".
-        operation = _OPERATIONS.get(endpoint, endpoint)
         self.span.update_name(f"{operation} {model}")
         self.span.set_attributes(
             {

@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+.venv/bin/lint-imports  # the layer contracts in pyproject.toml: no import back up
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

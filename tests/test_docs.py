@@ -28,12 +28,12 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc import cli
+from extproc.app import cli
+from extproc.app.reload import RESTART_FIELDS
+from extproc.app.runtime import Runtime
 from extproc.config import limits as limits_module
 from extproc.config import load_config, loader, parse_config
 from extproc.config import ratelimit as ratelimit_module
-from extproc.config.reload import RESTART_FIELDS
-from extproc.runtime import Runtime
 from extproc.tokens.registry import TokenizerRule
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,19 +11,19 @@ import structlog
 
 from extproc.admission.errors import ApiError, invalid_request, model_not_found, unauthorized
 from extproc.admission.identity import KeyRing, presented_key
+from extproc.admission.lease import REFUND_RETRY_S, first_lease, refund_retries
 from extproc.admission.limit_names import describe_limit
 from extproc.admission.policy import PolicyBook, QuotaPolicy, limit_kind
 from extproc.admission.ratelimit_headers import ratelimit_headers, retry_after
 from extproc.admission.request import (
-    Endpoint,
     ModelRequest,
     parse_model_request,
     parse_unserialised,
     serialise,
 )
-from extproc.billing.lease import REFUND_RETRY_S, first_lease, refund_retries
 from extproc.config import Config, TenantSpec
 from extproc.config.schema import NANO_PER_UNIT
+from extproc.endpoints import Endpoint
 from extproc.metrics import Metrics
 from extproc.quota import keys
 from extproc.quota.base import (
@@ -72,6 +72,8 @@ class Admitted:
     output_reserved: int  # output tokens covered by the admission charge
     states: tuple[CounterState, ...]
     replayed: bool
+    # Of the configuration it was admitted under: a refused lease is asked again this long.
+    refund_wait_s: float
 
     @property
     def metric_labels(self) -> tuple[str, str]:
@@ -129,7 +131,7 @@ class Admission:
     async def admit(
         self,
         tenant: TenantSpec,
-        endpoint: Endpoint,
+        endpoint: Endpoint | str,
         request_id: str,
         raw_body: bytes,
         client_request_id: str = "",
@@ -195,7 +197,7 @@ class Admission:
         if not policy.metered:
             return Admitted(
                 tenant, request, policy, tokenizer, reservation_key,
-                prompt_tokens, output_reserved, (), False,
+                prompt_tokens, output_reserved, (), False, self.config.refund_wait_s,
             )  # fmt: skip
         charge = AdmitRequest(
             reservation_key=reservation_key,
@@ -237,7 +239,7 @@ class Admission:
         states = policy.enforced(verdict.states)
         return Admitted(
             tenant, request, policy, tokenizer, reservation_key,
-            prompt_tokens, output_reserved, states, verdict.replayed,
+            prompt_tokens, output_reserved, states, verdict.replayed, self.config.refund_wait_s,
         )  # fmt: skip
 
     def close(self) -> None:

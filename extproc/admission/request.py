@@ -23,21 +23,18 @@ case-insensitive parser (Go's) would read as a field the meter reads, spelt othe
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
 from extproc.admission.errors import invalid_request, model_not_found, too_large
 from extproc.admission.field_names import check_field_names
 from extproc.config import Config, ModelSpec
+from extproc.endpoints import METERED_PATHS, Endpoint, endpoint_named
 from extproc.tokens.errors import MalformedRequest
 from extproc.tokens.text import decode_utf8
 
-Endpoint = Literal["chat", "completions"]
-METERED_PATHS: dict[str, Endpoint] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-}
+__all__ = ["METERED_PATHS", "Endpoint", "ModelRequest", "parse_model_request"]
 MAX_CHOICES = 16
 # Completions served by one request: ``n`` per prompt, every prompt of a /v1/completions list.
 MAX_COMPLETIONS = 128
@@ -68,8 +65,9 @@ def _positive_int(body: dict[str, Any], field: str) -> int | None:
     return value
 
 
-def parse_model_request(endpoint: Endpoint, raw: bytes, config: Config) -> ModelRequest:
-    """The parsed, validated and rewritten body; ``new_body`` is its re-serialised form."""
+def parse_model_request(endpoint: Endpoint | str, raw: bytes, config: Config) -> ModelRequest:
+    """The parsed, validated and rewritten body of a request to ``endpoint`` (or the one of
+    that name); ``new_body`` is its re-serialised form."""
     return serialise(parse_unserialised(endpoint, raw, config))
 
 
@@ -77,10 +75,11 @@ def serialise(request: ModelRequest) -> ModelRequest:
     return replace(request, new_body=orjson.dumps(request.body))
 
 
-def parse_unserialised(endpoint: Endpoint, raw: bytes, config: Config) -> ModelRequest:
+def parse_unserialised(endpoint: Endpoint | str, raw: bytes, config: Config) -> ModelRequest:
     """``parse_model_request`` but for the re-serialising (``new_body`` empty until
     ``serialise``). Parsing and serialising each hold the GIL a few ms per MiB of mixed
     scripts: admission lets the event loop run between the two for a big body."""
+    endpoint = endpoint_named(endpoint)
     if len(raw) > config.max_body_bytes:
         raise too_large(config.max_body_bytes)
     try:
@@ -110,7 +109,7 @@ def parse_unserialised(endpoint: Endpoint, raw: bytes, config: Config) -> ModelR
     n = _positive_int(body, "n") or 1
     if n > MAX_CHOICES:
         raise invalid_request(f"'n' must be at most {MAX_CHOICES}.", "invalid_value", "n")
-    choices = n * _prompt_count(body) if endpoint == "completions" else n
+    choices = n * _prompt_count(body) if endpoint.prompts_are_requests else n
     if choices > MAX_COMPLETIONS:
         raise invalid_request(
             f"The request asks for {choices} completions ('n' × prompts); "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from extproc.admission.request import METERED_PATHS
+from extproc.endpoints import METERED_PATHS
 
 MODELS_PATH = "/v1/models"
 _MODEL_PREFIX = MODELS_PATH + "/"

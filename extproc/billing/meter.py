@@ -13,16 +13,13 @@ Settlement commits what was delivered and refunds the rest of the reservation, o
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import orjson
 import structlog
 
-from extproc.admission.limit_names import describe_limit
-from extproc.admission.policy import limit_kind
-from extproc.billing import answer
-from extproc.billing.decoding import DECODABLE, Decoder, UndecodableBody, encodings
-from extproc.billing.lease import (
+from extproc.admission.lease import (
     REFUND_RETRY_S,
     cover_lease,
     fair_share,
@@ -30,6 +27,10 @@ from extproc.billing.lease import (
     next_lease,
     refund_retries,
 )
+from extproc.admission.limit_names import describe_limit
+from extproc.admission.policy import limit_kind
+from extproc.billing import answer, closing, sniff
+from extproc.billing.decoding import DECODABLE, Decoder, UndecodableBody, encodings
 from extproc.billing.output import OutputCount
 from extproc.billing.sse import (
     MALFORMED,
@@ -39,12 +40,12 @@ from extproc.billing.sse import (
     SseReassembler,
     parse_json_data,
 )
-from extproc.quota.base import SettleReason
+from extproc.quota.base import QuotaBackend, SettleReason
 from extproc.tracing import ExchangeSpan, fail
 
 if TYPE_CHECKING:
     from extproc.admission.gate import Admitted
-    from extproc.runtime import Runtime
+    from extproc.metrics import Metrics
 
 log = structlog.get_logger("extproc.billing")
 
@@ -55,31 +56,37 @@ log = structlog.get_logger("extproc.billing")
 Mode = Literal["pending", "sniff", "sse", "done", "json", "unreadable"]
 # Our count may differ from the upstream's usage by this much before it is flagged.
 USAGE_TOLERANCE = 0.02
-_DONE = b"data: [DONE]\n\n"
 # ``_cost`` of an event that is not forwarded as counted: the forced usage chunk (withheld),
 # ``[DONE]`` (forwarded; the rest of the body is dropped), data no client parser reads
 # (the stream ends there as an upstream error).
 _WITHHELD = -1
 _DONE_EVENT = -2
 _UNREADABLE = -3
-_GZIP_MAGIC = b"\x1f\x8b"
-_BOM = b"\xef\xbb\xbf"
-# How an event stream starts: a field line (after any BOM and blank lines).
-_SSE_STARTS = (b"data", b"event", b"id", b"retry", b":")
+
+
+class BillingDeps(Protocol):
+    """What a meter uses of the processor: the quota backend it leases from and settles on,
+    the metrics it counts in, and ``spawn``, which runs a settlement to its end even when the
+    stream that started it is cancelled (``extproc.app.runtime.Billing`` provides them)."""
+
+    @property
+    def backend(self) -> QuotaBackend: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], /) -> object: ...
 
 
 class ResponseMeter:
     def __init__(
-        self,
-        admitted: Admitted,
-        runtime: Runtime,
-        refund_wait_s: float | None = None,
-        trace: ExchangeSpan | None = None,
+        self, admitted: Admitted, billing: BillingDeps, trace: ExchangeSpan | None = None
     ) -> None:
         self.admitted = admitted
         self.trace = trace  # tracing on: a span per lease batch and one for the settlement
-        self.runtime = runtime
-        self.metrics = runtime.metrics
+        self.backend = billing.backend
+        self.metrics = billing.metrics
+        self.spawn = billing.spawn
         self._labels = admitted.metric_labels  # (model, plan)
         self.states = admitted.states
         self.mode: Mode = "pending"
@@ -98,9 +105,8 @@ class ResponseMeter:
         self.lease_task: asyncio.Task[None] | None = None
         self.exhausted = False
         self.refusals = 0  # leases refused while others held reservations (asked again)
-        self._refusal_retries = refund_retries(
-            runtime.config.refund_wait_s if refund_wait_s is None else refund_wait_s
-        )  # the config it was admitted under (a reload may have come since)
+        # The configuration it was admitted under (a reload may have come since).
+        self._refusal_retries = refund_retries(admitted.refund_wait_s)
         self.retry_due = False  # the last lease was such a refusal: wait, then ask again
         self.exhausted_code = "tpm_limit_exceeded"
         self.exhausted_what = "tokens per minute"  # the limit that cut, for the message
@@ -148,7 +154,7 @@ class ResponseMeter:
         if len(codings) > 1 or (codings and codings[0] not in DECODABLE):
             log.warning("unreadable_encoding", request_id=self._rid, encoding=content_encoding)
             self.mode = "unreadable"
-            self.runtime.spawn(self.settle("unreadable"))
+            self.spawn(self.settle("unreadable"))
             return
         if codings:
             self._decoder = Decoder()
@@ -259,31 +265,23 @@ class ResponseMeter:
         return tail, self._finish("unreadable")
 
     def _sniff(self, chunk: bytes, end_of_stream: bool) -> bytes:
-        """What a ``text/event-stream`` body is, from its first bytes: gzip (the magic, with
-        no ``Content-Encoding``: decoded, as clients decode it), SSE (a field line after any
-        BOM and blank lines), or anything else (one JSON answer, JSON lines, text: read
-        whole like a JSON answer). Returns the bytes to go on with once decided; until then
-        holds them (the mode stays ``sniff``)."""
+        """What a ``text/event-stream`` body is (``extproc.billing.sniff``). Returns the
+        bytes to go on with once decided; until then holds them (the mode stays ``sniff``)."""
         held = self._held + chunk
         if self._decoder is None:
-            if len(held) < 2 and _GZIP_MAGIC.startswith(held) and not end_of_stream:
+            if sniff.maybe_gzip(held, end_of_stream):
                 self._held = held
                 return b""
-            if held.startswith(_GZIP_MAGIC):
+            if held.startswith(sniff.GZIP_MAGIC):
                 log.warning("undeclared_gzip_body", request_id=self._rid)
                 self._decoder = Decoder()
                 held = self._decoder.feed(held, end_of_stream)
-        start = 3 if held.startswith(_BOM) else 0
-        if start == 0 and len(held) < 3 and _BOM.startswith(held) and held:
-            start = len(held)  # maybe the start of a BOM
-        rest = held[start:].lstrip(b"\r\n")
-        if not end_of_stream and (
-            not rest or (len(rest) < 5 and any(f.startswith(rest) for f in _SSE_STARTS))
-        ):
+        kind = sniff.event_stream_kind(held, end_of_stream)
+        if kind == "undecided":
             self._held = held
             return b""
         self._held = b""
-        if not rest or rest.startswith(_SSE_STARTS):
+        if kind == "sse":
             self.mode = "sse"
         else:
             log.warning("event_stream_not_sse", request_id=self._rid)
@@ -408,7 +406,7 @@ class ResponseMeter:
     # -- leases ----------------------------------------------------------------------------
 
     def _lease_ahead(self) -> None:
-        """Reserve in the background what ``extproc.billing.lease.next_lease`` says is due.
+        """Reserve in the background what ``extproc.admission.lease.next_lease`` says is due.
 
         One batch in hand before the first token (admission's share topped up on the first
         event), the next batch once the current one is half used: at most one batch ahead,
@@ -454,7 +452,7 @@ class ResponseMeter:
             span = self.trace.child("extproc.lease", **{"extproc.seq": self.seq})
             span.set_attribute("extproc.amount", amount)
         try:
-            grant = await self.runtime.backend.reserve(
+            grant = await self.backend.reserve(
                 self.admitted.reservation_key,
                 self.seq,
                 self.admitted.policy.token_counters,
@@ -513,62 +511,28 @@ class ResponseMeter:
     # -- ending ----------------------------------------------------------------------------
 
     def _closing_bytes(self, code: str) -> bytes:
-        """The events that end a stream we cut: an error event, or a normal length stop."""
-        limit = code.endswith("_exceeded")
-        if self.admitted.policy.on_exhaustion == "truncate" and limit:
-            return self._truncation_bytes()
-        messages = {
-            "tpm_limit_exceeded": "Token rate limit reached: the stream was ended because the "
-            "tenant's token budget is used up. Please try again later.",
-            "daily_budget_exceeded": "Daily token budget reached: the stream was ended.",
-            "timeout": "The upstream stopped sending: the stream was ended by the gateway.",
-            "upstream_error": "The upstream sent an event stream the gateway cannot read.",
-            "quota_unavailable": "The quota service is unavailable: the stream was ended by "
-            "the gateway. Please retry.",
-            "shutdown": "The gateway is restarting: the stream was ended before the answer "
-            "was complete. Please retry.",
-        }
-        message = messages.get(code) or (
-            f"Rate limit reached on {self.exhausted_what}: the stream was ended. "
-            "Please try again later."
-        )
-        error_type = "rate_limit_error" if limit else "api_error"
-        error = {"error": {"message": message, "type": error_type, "code": code}}
-        return b"data: " + orjson.dumps(error) + b"\n\n" + _DONE
-
-    def _truncation_bytes(self) -> bytes:
-        last = self._output.last_chunk or {}
-        is_chat = self.admitted.request.endpoint == "chat"
-        indices = self._output.choice_indices() or [0]
-        if is_chat:
-            choices = [{"index": i, "delta": {}, "finish_reason": "length"} for i in indices]
-        else:
-            choices = [{"index": i, "text": "", "finish_reason": "length"} for i in indices]
-        final = {
-            "id": last.get("id", f"cmpl-{self._rid}"),
-            "object": last.get("object", "chat.completion.chunk" if is_chat else "text_completion"),
-            "created": last.get("created", 0),
-            "model": last.get("model", self.admitted.request.requested_model),
-            "choices": choices,
-        }
-        out = b"data: " + orjson.dumps(final) + b"\n\n"
-        if self.admitted.request.client_wants_usage:
-            usage = {
-                "prompt_tokens": self.admitted.prompt_tokens,
-                "completion_tokens": self.delivered,
-                "total_tokens": self.admitted.prompt_tokens + self.delivered,
-            }
-            out += b"data: " + orjson.dumps({**final, "choices": [], "usage": usage}) + b"\n\n"
-        return out + _DONE
+        """The events that end a stream we cut (``extproc.billing.closing``)."""
+        if self.admitted.policy.on_exhaustion == "truncate" and code.endswith("_exceeded"):
+            request = self.admitted.request
+            usage = (self.admitted.prompt_tokens, self.delivered)
+            return closing.length_stop(
+                request.endpoint,
+                self._output.last_chunk,
+                self._output.choice_indices(),
+                f"cmpl-{self._rid}",
+                request.requested_model,
+                usage if request.client_wants_usage else None,
+            )
+        return closing.error_event(code, self.exhausted_what)
 
     def _finish(self, reason: str) -> bool:
         self.finished = True
-        self.runtime.spawn(self.settle(reason))
+        self.spawn(self.settle(reason))
         return True
 
     def _complete(self) -> None:
         self.completed = True
-        self.runtime.spawn(self.settle("completed"))
+        self.spawn(self.settle("completed"))
 
     # -- settlement ------------------------------------------------------------------------
 
@@ -657,7 +621,7 @@ class ResponseMeter:
             # A Redis backend (wrapped by the factory in ``ResilientQuotaBackend``) keeps
             # what it cannot apply now in its queue and applies it when Redis returns, so
             # the settlement is not retried here; memory:// cannot fail.
-            settlement = await self.runtime.backend.settle(
+            settlement = await self.backend.settle(
                 self.admitted.reservation_key,
                 counters,
                 used,

@@ -19,6 +19,7 @@ from extproc.config.schema import (
     PriceSpec,
     WindowSpec,
 )
+from extproc.config.values import known
 
 # Counters are compared in Lua, whose numbers are doubles: exact up to 2**53.
 MAX_LIMIT = 2**53
@@ -155,12 +156,6 @@ def prices(doc: Any, path: str) -> PriceSpec:
         output=per_token("output"),
         cached_input=None if cached is None else per_token("cached_input"),
     )
-
-
-def known(doc: Mapping[str, Any], allowed: set[str], path: str) -> None:
-    for key in doc:
-        if key not in allowed:
-            raise ConfigError(f"{path}.{key}" if path else str(key), "unknown field")
 
 
 def timezone(value: Any, path: str) -> str:

@@ -25,8 +25,9 @@ from typing import Any
 
 import yaml
 
-from extproc.config.limits import Layer, Sourced, check_limit, cost_limit, known
+from extproc.config.limits import Layer, Sourced, check_limit, cost_limit
 from extproc.config.schema import ConfigError, LimitRule, Metric, ModelSpec, WindowSpec
+from extproc.config.values import known
 
 _ROOT_KEYS = {"domain", "descriptors"}
 _DESCRIPTOR_KEYS = {"key", "value", "rate_limit", "descriptors", "shadow_mode"}

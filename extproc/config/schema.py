@@ -168,7 +168,7 @@ class Config:
     # Settlements, cancels and fail-open reconciliations waiting for the backend to return.
     settle_queue_max: int = 100_000
     # A processor whose heartbeat is this old is dead: peers settle its open reservations
-    # (extproc.quota.orphans); each processor looks for dead peers every orphan_sweep_s.
+    # (extproc.quota.liveness.orphans); each processor looks for dead peers every orphan_sweep_s.
     heartbeat_ttl_s: float = 30.0
     orphan_sweep_s: float = 10.0
     # The per-tenant usage ledger (a Redis Stream each) and its bounds.

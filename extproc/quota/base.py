@@ -77,7 +77,7 @@ is what the settling processor's own retries need (a retry within it gets
 ``already_settled``; one after it finds no record and charges nothing). ``cancel`` keeps the
 record's TTL and writes its tombstone for ``tombstone_ttl_s``: an admit may still be queued
 for that key. A processor that dies leaves its open records to its peers
-(``extproc.quota.orphans``).
+(``extproc.quota.liveness.orphans``).
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ class Verdict:
     # ``replayed=False`` the admission met a tombstone and charged nothing at all.
     cancelled: bool = False
     # Admitted from this processor's fail-open allowance while the backend was unavailable
-    # (``extproc.quota.resilient``); reconciled into the backend when it returns.
+    # (``extproc.quota.resilience.backend``); reconciled into the backend when it returns.
     local: bool = False
     # A soft refusal (``AdmitRequest.soft_refusal``): nothing charged or recorded.
     retry_soon: bool = False
@@ -334,6 +334,35 @@ class AdmitRequest:
         return bool(counters) and all(c.fail_open_limit is not None for c in counters)
 
 
+@dataclass(frozen=True, slots=True)
+class AbsorbedUsage:
+    """The usage ledger entry of what an absorb charges (a settlement's part served from a
+    fail-open allowance): reserved = used = prompt + output, nothing refunded."""
+
+    plan: str
+    model: str
+    client_request_id: str
+    reason: SettleReason
+    prompt_tokens: int
+    output_tokens: int
+    admitted_at_us: str  # "" unless the request was admitted from the allowance too
+
+
+@dataclass(frozen=True, slots=True)
+class Absorption:
+    """Charges served elsewhere (this processor's fail-open allowance while the backend was
+    away) to put into the backend's counters once, whatever the retries: ``absorb``.
+
+    ``entries`` are ``(counter key prefix, window_s, start of the window it was served in,
+    amount)`` of fixed-window counters; each is charged to the window it was served in while
+    that window is live, to the current one otherwise (never dropped). ``key`` is the
+    absorb record's (``<reservation key>:absorb``)."""
+
+    key: str
+    entries: tuple[tuple[str, int, int, int], ...]
+    usage: AbsorbedUsage | None = None  # None: no ledger entry (an RPM-only reconciliation)
+
+
 class QuotaBackend(Protocol):
     async def admit(self, request: AdmitRequest) -> Verdict: ...
 
@@ -363,6 +392,19 @@ class QuotaBackend(Protocol):
         token_counters: tuple[Counter, ...],
         tombstone_ttl_s: int = RECORD_TTL_S,
     ) -> Settlement: ...
+
+    async def absorb(self, absorption: Absorption) -> bool:
+        """Apply ``absorption`` once; True when applied now, False when it had been."""
+        ...
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, until every call the backend holds back (a resilient
+        backend's queue) is applied; True when none is left."""
+        ...
+
+    async def check(self) -> None:
+        """Raise ``QuotaUnavailable`` (``QuotaMisconfigured``: why) if calls cannot go through."""
+        ...
 
     async def ping(self) -> bool: ...
 

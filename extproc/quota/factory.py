@@ -6,10 +6,10 @@ from typing import Any
 
 from extproc.metrics import Metrics
 from extproc.quota.base import QuotaBackend
-from extproc.quota.memory_backend import MemoryQuotaBackend
-from extproc.quota.redis_backend import RedisQuotaBackend
-from extproc.quota.resilient import Resilience, ResilientQuotaBackend
-from extproc.quota.topology import backend_for, parse_redis_url
+from extproc.quota.memory.backend import MemoryQuotaBackend
+from extproc.quota.redis.backend import RedisQuotaBackend
+from extproc.quota.redis.topology import backend_for, parse_redis_url
+from extproc.quota.resilience.backend import Resilience, ResilientQuotaBackend
 
 
 def backend_from_url(
@@ -23,7 +23,7 @@ def backend_from_url(
     or ``unix://`` for the shared Redis backend (options go to ``RedisQuotaBackend.from_url``);
     ``redis+cluster://`` and ``redis+sentinel://`` (``rediss+…``: TLS) for the same backend on
     a Cluster (a pipelined connection per master) or a Sentinel-managed master
-    (``extproc.quota.topology``; same options).
+    (``extproc.quota.redis.topology``; same options).
 
     With ``resilience`` (the processor always passes it) a Redis backend is wrapped in
     ``ResilientQuotaBackend``: a circuit breaker per master, fail-open allowance, and a queue

@@ -27,10 +27,10 @@ Why this shape:
 * ``*`` marks "no model"; it cannot be the encoding of any model name.
 * A tenant's open records are listed per processor in the tenant's own slot (``own``), so
   the admission that charges a request registers it in the same script.
-* Processor-level keys (``extproc.quota.orphans``) share the hash tag ``{~p}``: one slot for
-  the heartbeat and the index of a processor's ``own`` sets. ``~`` is always percent-encoded
-  in a tenant name, so no tenant's tag can be ``{~p}``; each quota script still touches
-  only its tenant's slot.
+* Processor-level keys (``extproc.quota.liveness.orphans``) share the hash tag ``{~p}``: one
+  slot for the heartbeat and the index of a processor's ``own`` sets. ``~`` is always
+  percent-encoded in a tenant name, so no tenant's tag can be ``{~p}``; each quota script
+  still touches only its tenant's slot.
 """
 
 from __future__ import annotations

@@ -32,15 +32,16 @@ LEDGER_WINDOW_RANK: dict[CounterKind, int] = {"tpm": 1, "tenant_tpm": 2, "daily"
 LEDGER_UNRANKED = 9
 
 
-def ledger_windows(nets: Iterable[tuple[str, int]]) -> str:
+def ledger_windows(nets: Iterable[tuple[str, int]], ranked_only: bool = False) -> str:
     """A ledger entry's ``windows``: ``kind:span:start:net`` per window key and the net it
     keeps of the request, ``;``-separated, in ledger order (``LEDGER_WINDOW_RANK``); keys
-    that are not window keys are left out. ``ledger_windows`` in lua/ledger.lua is the
-    same for the scripts."""
+    that are not window keys are left out, and with ``ranked_only`` (an absorb's entry)
+    those of unranked kinds too. ``ledger_windows`` in lua/ledger.lua is the same for the
+    scripts."""
     entries = []
     for key, net in nets:
         parsed = parse_window_key(key)
-        if parsed is not None:
+        if parsed is not None and (not ranked_only or parsed[0] in LEDGER_WINDOW_RANK):
             kind, span, start = parsed
             rank = LEDGER_WINDOW_RANK.get(kind, LEDGER_UNRANKED)
             entries.append((rank, start, f"{kind}:{span}:{start}:{net}"))

@@ -1,1 +1,1 @@
-"""gRPC transport: the ext_proc service, its server, and the wire messages it speaks."""
+"""gRPC transport: the ext_proc servicer (one stream per exchange, the idle watchdog) and TLS."""

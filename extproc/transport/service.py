@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import grpc
 import structlog
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.runtime import Runtime
-from extproc.session import Session
-from extproc.transport import messages as msg
+from extproc.exchange import messages as msg
+from extproc.exchange.session import Session
+from extproc.metrics import Metrics
 
 log = structlog.get_logger("extproc.service")
 
@@ -47,19 +48,28 @@ class _Stream:
 
 
 class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
+    def __init__(
+        self,
+        new_session: Callable[[], Session],
+        metrics: Metrics,
+        spawn: Callable[[Coroutine[Any, Any, Any]], object],
+    ) -> None:
+        """``new_session``: a session for a new stream (on the admission side current then);
+        ``spawn``: runs each session's settlement past the stream's cancellation."""
+        self.new_session = new_session
+        self.metrics = metrics
+        self.spawn = spawn
         self.streams: dict[Session, _Stream] = {}
         self._all_closed = asyncio.Event()
         self._all_closed.set()
 
     async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
-        session = Session(self.runtime)
+        session = self.new_session()
         watchdog: asyncio.Task[None] | None = None
         stream = self.streams[session] = _Stream(context)
         self._all_closed.clear()
         reason = "end_of_stream"
-        timings = self.runtime.metrics.histograms["message"]
+        timings = self.metrics.histograms["message"]
         body_timing = timings.labels("response_body")
         monotonic = time.monotonic
         try:
@@ -110,7 +120,7 @@ class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
             if not self.streams:
                 self._all_closed.set()
             # Shielded from this task's cancellation: a charge is never lost.
-            self.runtime.spawn(session.close(reason))
+            self.spawn(session.close(reason))
 
     async def _watch(self, session: Session, stream: _Stream) -> None:
         """FDX has no per-chunk timer: end a stream whose upstream went quiet, and settle."""

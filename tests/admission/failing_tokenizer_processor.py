@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from extproc.cli import main
+from extproc.app.cli import main
 from extproc.tokens.encodings import TiktokenTokenizer
 
 MARK = "TOKENIZER-FAILS-ON-THIS"

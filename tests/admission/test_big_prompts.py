@@ -21,8 +21,8 @@ import orjson
 import pytest
 import redis
 
+from extproc.app.runtime import tokenizer_rules
 from extproc.config import parse_config
-from extproc.runtime import tokenizer_rules
 from extproc.tokens.offload import OFFLOAD_MIN_CHARS
 from extproc.tokens.prompt import WALK_STEP, count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry

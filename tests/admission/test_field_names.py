@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 from extproc.admission.errors import ApiError
 from extproc.admission.field_names import fold
-from extproc.admission.request import Endpoint, ModelRequest, parse_model_request
+from extproc.admission.request import ModelRequest, parse_model_request
 from extproc.config import Config, parse_config
+from extproc.endpoints import Endpoint
 from tests.support.go_json import GO_ASCII_RUNES, GoView
 
 CONFIG: Config = parse_config(

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.admission.request import METERED_PATHS
 from extproc.admission.routes import upstream_allowed
+from extproc.endpoints import METERED_PATHS
 
 
 @pytest.mark.parametrize("path", sorted(METERED_PATHS))

@@ -1,4 +1,4 @@
-"""The lease-ahead rule (extproc.billing.lease): sizes and timing of output reservations."""
+"""The lease-ahead rule (extproc.admission.lease): sizes and timing of output reservations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.billing.lease import (
+from extproc.admission.lease import (
     ADMISSION_CAP,
     cover_lease,
     first_lease,

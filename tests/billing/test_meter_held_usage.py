@@ -16,11 +16,11 @@ from typing import Any
 import orjson
 import redis
 
+from extproc.app.runtime import Runtime
 from extproc.billing.meter import ResponseMeter
 from extproc.config import TenantSpec, parse_config
 from extproc.quota import keys
-from extproc.quota.redis_backend import RedisQuotaBackend
-from extproc.runtime import Runtime
+from extproc.quota.redis.backend import RedisQuotaBackend
 from loadlab.redis_server import RedisServer
 from tests.billing.streams import REQUEST, config_doc
 

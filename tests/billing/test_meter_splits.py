@@ -15,11 +15,11 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from extproc.app.runtime import Runtime
 from extproc.billing.meter import ResponseMeter
 from extproc.config import TenantSpec, parse_config
 from extproc.quota import keys
-from extproc.quota.redis_backend import RedisQuotaBackend
-from extproc.runtime import Runtime
+from extproc.quota.redis.backend import RedisQuotaBackend
 from loadlab.redis_server import RedisServer
 from loadlab.sse_client import parse_events
 from tests.billing.streams import REQUEST, config_doc

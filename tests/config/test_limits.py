@@ -346,7 +346,7 @@ def test_hash_changes_with_a_window_kind_a_time_zone_a_price_and_shadow() -> Non
 
 
 def test_the_reload_poll_sees_an_edit_of_the_ratelimit_file(tmp_path: Path) -> None:
-    from extproc.config.reload import _content_digest
+    from extproc.app.reload import _content_digest
 
     rls = tmp_path / "rls" / "limits.yaml"
     rls.parent.mkdir()

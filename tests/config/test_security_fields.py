@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from extproc.app.reload import needs_restart
 from extproc.config import ConfigError, parse_config
-from extproc.config.reload import needs_restart
 
 BASE: dict[str, Any] = {
     "models": {"m": {}},

@@ -83,8 +83,8 @@ def excluded(lines: str, path: str) -> bool:
         ("*.md\nREADME-secret.md\n!README*.md", "README-secret.md", False),
         # A pattern matches a path or any of its parents
         ("node_modules", "node_modules/x/y.js", True),
-        ("*", "extproc/cli.py", True),  # * never crosses /, but matches the parent
-        ("*\n!extproc/", "extproc/cli.py", False),  # the exception re-includes the tree
+        ("*", "extproc/app/cli.py", True),  # * never crosses /, but matches the parent
+        ("*\n!extproc/", "extproc/app/cli.py", False),  # the exception re-includes the tree
         ("*\n!extproc/\n**/__pycache__", "extproc/__pycache__/cli.pyc", True),
         # Leading and trailing slashes, dot segments, whitespace, comments
         ("/foo/bar", "foo/bar", True),

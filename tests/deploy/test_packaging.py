@@ -97,7 +97,7 @@ def test_the_product_wheel_holds_extproc_and_its_data_alone(wheels: dict[str, Pa
     info = [f for f in files if f.startswith("token_quota_extproc-0.1.0.dist-info/")]
     assert sorted(set(files) - set(info)) == sorted(package_files("extproc"))
     assert any(f.startswith("extproc/tokens/data/") for f in files)  # package data
-    assert any(f.startswith("extproc/quota/lua/") for f in files)
+    assert any(f.startswith("extproc/quota/redis/lua/") for f in files)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import redis
 
-from extproc.billing.lease import first_lease, lease_target
+from extproc.admission.lease import first_lease, lease_target
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
 from loadlab.gateway import Envoy, wait_until, write_config

@@ -27,7 +27,7 @@ import pytest
 import redis
 import yaml
 
-from extproc.transport.workers import FIRST_RESTART_DELAY_S, MAX_QUICK_DEATHS, MAX_RESTART_DELAY_S
+from extproc.app.workers import FIRST_RESTART_DELAY_S, MAX_QUICK_DEATHS, MAX_RESTART_DELAY_S
 from loadlab.gateway import ROOT, Envoy, grpc_serving, http_get, wait_until
 from loadlab.metrics import parse_metrics
 from loadlab.procs import ManagedProcess, free_port, free_port_run

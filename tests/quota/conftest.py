@@ -15,8 +15,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from extproc.quota.base import Counter, QuotaBackend
-from extproc.quota.memory_backend import MemoryQuotaBackend
-from extproc.quota.redis_backend import RedisQuotaBackend
+from extproc.quota.memory.backend import MemoryQuotaBackend
+from extproc.quota.redis.backend import RedisQuotaBackend
 from loadlab.redis_server import RedisServer
 
 

@@ -22,14 +22,16 @@ import redis
 
 from extproc.metrics import Metrics
 from extproc.quota.base import (
+    AbsorbedUsage,
+    Absorption,
     AdmitRequest,
     Counter,
     UsageTags,
 )
 from extproc.quota.keys import counter_key, reservation_key
-from extproc.quota.orphans import start_liveness
-from extproc.quota.redis_backend import RedisQuotaBackend
-from extproc.quota.resilient import ResilientQuotaBackend, _Op, absorb_key
+from extproc.quota.liveness.orphans import start_liveness
+from extproc.quota.redis.backend import RedisQuotaBackend
+from extproc.quota.resilience.backend import ResilientQuotaBackend, absorb_key
 from loadlab.gateway import ROOT, Envoy, Processor, key_hash, write_config
 from loadlab.procs import ManagedProcess, free_port
 from loadlab.redis_server import REDIS_SERVER, accepts_connections
@@ -136,10 +138,10 @@ async def test_the_processor_user_runs_every_quota_path(acl_redis: AclRedis, adm
         assert status == "settled"
         # the fail-open reconciliation script (loaded by redis-py: EVALSHA, SCRIPT LOAD)
         start = int(admin.time()[0]) // 3600 * 3600
-        op = _Op("absorb", absorb_key(reservation_key("acl", "r4")),
-                 entries=((tpm.key, 3600, start, 7),), tokens=7,
-                 ledger=("pro", "m", "c", "completed", 2, 5, ""))  # fmt: skip
-        await backend._absorb_call(op)  # what the queue's worker runs when Redis returns
+        absorption = Absorption(absorb_key(reservation_key("acl", "r4")),
+                                ((tpm.key, 3600, start, 7),),
+                                AbsorbedUsage("pro", "m", "c", "completed", 2, 5, ""))  # fmt: skip
+        await primary.absorb(absorption)  # what the queue's worker runs when Redis returns
         # the liveness loop: heartbeat, registration of open records, sweep of dead peers
         await asyncio.sleep(0.5)
         assert admin.exists(f"tq:{{~p}}:hb:{primary.owner_id}")
@@ -331,9 +333,9 @@ def test_a_processor_with_a_wrong_password_does_not_start_and_says_why(
 async def test_the_processor_user_over_rediss_with_the_config_credentials(tmp_path: Path):
     """TLS to Redis (rediss://, the CA in the URL) with the ACL user and a password file:
     the configuration's path to Redis, both of the backend's connections."""
+    from extproc.app.runtime import redis_credentials
     from extproc.config import parse_config
     from extproc.quota.factory import backend_from_url
-    from extproc.runtime import redis_credentials
     from loadlab.redis_server import make_tls_files
 
     ca, crt, key = make_tls_files(tmp_path / "tls")

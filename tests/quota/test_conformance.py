@@ -10,7 +10,7 @@ import pytest
 
 from extproc.quota.base import AdmitRequest, Counter, CounterKind, Settlement
 from extproc.quota.keys import counter_key, open_set_key, reservation_key, usage_stream_key
-from extproc.quota.memory_backend import MemoryQuotaBackend
+from extproc.quota.memory.backend import MemoryQuotaBackend
 from tests.quota.conftest import Harness
 
 HOUR = 3600

@@ -70,15 +70,15 @@ from extproc.quota.keys import (
     window_key,
     window_span,
 )
-from extproc.quota.memory_backend import MemoryQuotaBackend
-from extproc.quota.redis_backend import (
+from extproc.quota.memory.backend import MemoryQuotaBackend
+from extproc.quota.redis.backend import (
     TEST_CLOCK_ENV,
     RedisQuotaBackend,
     _read_lua,
     ledger_constants,
     load_lua,
 )
-from extproc.quota.resilient import absorb_key
+from extproc.quota.resilience.backend import absorb_key
 from extproc.quota.windows import ledger_windows, script_window
 from loadlab.redis_server import RedisServer
 from tests.quota.conftest import FakeClock, Harness

@@ -23,8 +23,8 @@ import redis.asyncio as aioredis
 from extproc.quota.base import AdmitRequest, Counter, UsageTags
 from extproc.quota.calendar import calendar_bounds
 from extproc.quota.keys import counter_key, reservation_key, usage_stream_key, window_span
-from extproc.quota.memory_backend import MemoryQuotaBackend
-from extproc.quota.redis_backend import TEST_CLOCK_ENV, RedisQuotaBackend
+from extproc.quota.memory.backend import MemoryQuotaBackend
+from extproc.quota.redis.backend import TEST_CLOCK_ENV, RedisQuotaBackend
 from loadlab.redis_server import RedisServer
 from tests.quota.conftest import FakeClock
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from extproc.quota.base import AdmitRequest, Counter
 from extproc.quota.keys import counter_key, reservation_key
-from extproc.quota.memory_backend import MemoryQuotaBackend
+from extproc.quota.memory.backend import MemoryQuotaBackend
 from tests.quota.conftest import FakeClock
 
 

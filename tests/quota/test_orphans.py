@@ -17,11 +17,12 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from extproc.app.runtime import Runtime
 from extproc.config import ConfigError, parse_config
 from extproc.metrics import Metrics
 from extproc.quota import keys
 from extproc.quota.base import SETTLED_TTL_S, AdmitRequest, Counter
-from extproc.quota.orphans import (
+from extproc.quota.liveness.orphans import (
     Liveness,
     LuaScript,
     Registrations,
@@ -29,9 +30,8 @@ from extproc.quota.orphans import (
     find_orphan_backend,
     settle_bound_s,
 )
-from extproc.quota.redis_backend import RedisQuotaBackend
-from extproc.quota.resp import RespConnection
-from extproc.runtime import Runtime
+from extproc.quota.redis.backend import RedisQuotaBackend
+from extproc.quota.redis.resp import RespConnection
 from loadlab.procs import free_port
 from loadlab.redis_server import RedisServer
 from tests.quota.conftest import FakeClock

@@ -16,8 +16,8 @@ import pytest
 
 from extproc.quota.base import RECORD_TTL_S, SETTLED_TTL_S, Counter, QuotaBackend
 from extproc.quota.keys import reservation_key
-from extproc.quota.memory_backend import MemoryQuotaBackend
-from extproc.quota.redis_backend import RedisQuotaBackend
+from extproc.quota.memory.backend import MemoryQuotaBackend
+from extproc.quota.redis.backend import RedisQuotaBackend
 from tests.quota.conftest import Harness, MemoryHarness, RedisHarness
 from tests.quota.test_conformance import HOUR, admit_request, counter
 

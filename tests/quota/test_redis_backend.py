@@ -14,8 +14,8 @@ from redis.exceptions import AuthenticationError
 from extproc.quota.base import AdmitRequest, Counter, QuotaTimeout, QuotaUnavailable
 from extproc.quota.factory import backend_from_url
 from extproc.quota.keys import counter_key, reservation_key, usage_stream_key
-from extproc.quota.memory_backend import MemoryQuotaBackend
-from extproc.quota.redis_backend import RedisQuotaBackend
+from extproc.quota.memory.backend import MemoryQuotaBackend
+from extproc.quota.redis.backend import RedisQuotaBackend
 from extproc.quota.windows import EXPIRY_MARGIN_S
 from loadlab.redis_server import RedisServer
 

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from extproc.quota.base import AdmitRequest, Counter, QuotaTimeout, QuotaUnavailable, Settlement
 from extproc.quota.keys import counter_key, reservation_key
-from extproc.quota.redis_backend import RedisQuotaBackend
+from extproc.quota.redis.backend import RedisQuotaBackend
 from loadlab.redis_server import RedisServer
 
 DEADLINE_S = 0.2

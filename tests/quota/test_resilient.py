@@ -25,8 +25,8 @@ from extproc.config import parse_config
 from extproc.metrics import Metrics
 from extproc.quota.base import AdmitRequest, Counter, QuotaUnavailable, UsageTags
 from extproc.quota.keys import counter_key, reservation_key, usage_stream_key
-from extproc.quota.redis_backend import RedisQuotaBackend
-from extproc.quota.resilient import CircuitOpen, ResilientQuotaBackend, absorb_key
+from extproc.quota.redis.backend import RedisQuotaBackend
+from extproc.quota.resilience.backend import CircuitOpen, ResilientQuotaBackend, absorb_key
 from loadlab.redis_server import RedisServer
 
 WINDOW_S = 3600

@@ -1,4 +1,4 @@
-"""The pipelined script connection (``extproc.quota.resp``) against a real redis-server."""
+"""The pipelined script connection (``extproc.quota.redis.resp``) against a real redis-server."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from extproc.quota.resp import RespConnection, Script, _error, pack
+from extproc.quota.redis.resp import RespConnection, Script, _error, pack
 from loadlab.redis_server import RedisServer
 
 ECHO = Script("return {KEYS[1], ARGV[1]}")

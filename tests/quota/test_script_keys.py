@@ -18,12 +18,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from extproc.metrics import Metrics
-from extproc.quota.base import AdmitRequest, Counter, LedgerSettings, UsageTags
+from extproc.quota.base import Absorption, AdmitRequest, Counter, LedgerSettings, UsageTags
 from extproc.quota.keys import counter_key, heartbeat_key, reservation_key, usage_stream_key
-from extproc.quota.orphans import Liveness, LuaScript
-from extproc.quota.redis_backend import RedisQuotaBackend, load_lua
-from extproc.quota.resilient import ResilientQuotaBackend, _Op, absorb_key
-from extproc.quota.resp import Script
+from extproc.quota.liveness.orphans import Liveness, LuaScript
+from extproc.quota.redis.backend import RedisQuotaBackend, load_lua
+from extproc.quota.redis.resp import Script
+from extproc.quota.resilience.backend import absorb_key
 from loadlab.redis_server import RedisServer
 from tests.quota.conftest import FakeClock
 
@@ -154,18 +154,17 @@ async def test_every_path_of_every_script_touches_only_declared_keys(
     assert (await backend.admit(rpm_only)).admitted
     await backend.settle(rpm_only.reservation_key, (), 10)
 
-    # absorb (the fail-open reconciliation), through the resilient wrapper's own call
-    resilient = ResilientQuotaBackend(backend)
-    resilient._absorb_script = Script(STRICT + load_lua("absorb.lua"))
+    # absorb (the fail-open reconciliation), the call the resilient wrapper's queue makes
+    backend._absorb = Script(STRICT + load_lua("absorb.lua"))
     now_s = math.floor(await server_now(plain))
     entries = tuple(
         (c.key, c.window_s, now_s - now_s % c.window_s - shift * c.window_s, 7)
         for c in (RPM, *TOKENS)
         for shift in (0, 1)
     )
-    op = _Op("absorb", absorb_key(admission("local").reservation_key), entries=entries)
-    assert (await resilient._absorb_call(op))[0] == 0
-    assert (await resilient._absorb_call(op))[0] == 1
+    absorption = Absorption(absorb_key(admission("local").reservation_key), entries)
+    assert await backend.absorb(absorption)  # applied (the script's 0)
+    assert not await backend.absorb(absorption)  # applied before (its 1)
 
     stream = await plain.xrange(usage_stream_key(admission("a").reservation_key))
     assert [f["reason"] for _, f in stream] == [

@@ -29,12 +29,12 @@ from extproc.metrics import Metrics
 from extproc.quota import keys
 from extproc.quota.base import AdmitRequest, Counter, QuotaUnavailable, Settlement
 from extproc.quota.factory import backend_from_url
-from extproc.quota.orphans import Liveness
-from extproc.quota.redis_backend import RedisQuotaBackend
-from extproc.quota.resilient import CircuitOpen, Resilience, ResilientQuotaBackend
-from extproc.quota.resp import Script
-from extproc.quota.slots import key_slot
-from extproc.quota.topology import parse_redis_url, seeds_to_url
+from extproc.quota.liveness.orphans import Liveness
+from extproc.quota.redis.backend import RedisQuotaBackend
+from extproc.quota.redis.resp import Script
+from extproc.quota.redis.slots import key_slot
+from extproc.quota.redis.topology import parse_redis_url, seeds_to_url
+from extproc.quota.resilience.backend import CircuitOpen, Resilience, ResilientQuotaBackend
 from loadlab.procs import free_port
 from loadlab.redis_cluster import Node, RedisClusterSet, SentinelSet, wait_for
 from tests.quota.conftest import FakeClock

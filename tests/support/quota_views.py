@@ -16,7 +16,7 @@ import redis
 from extproc.quota import windows
 from extproc.quota.base import Counter, Period
 from extproc.quota.calendar import compute_calendar_bounds
-from extproc.quota.memory_backend import MemoryQuotaBackend
+from extproc.quota.memory.backend import MemoryQuotaBackend
 
 
 def counter_total(client: redis.Redis, tenant: str, kind: str) -> int:

@@ -18,7 +18,7 @@ def python(code: str) -> subprocess.CompletedProcess[str]:
 def test_serving_imports_neither_the_tools_nor_matplotlib() -> None:
     # (structlog itself imports rich when it is installed, for its dev console renderer.)
     done = python(
-        "import sys, extproc.cli, extproc.transport.server\n"
+        "import sys, extproc.app.cli, extproc.app.server\n"
         "print([m for m in ('loadlab', 'matplotlib') if m in sys.modules])"
     )
     assert done.returncode == 0, done.stderr
@@ -29,8 +29,8 @@ def test_the_processor_runs_without_rich_and_matplotlib() -> None:
     done = python(
         "import sys\n"
         "sys.modules['rich'] = sys.modules['matplotlib'] = None  # not installed\n"
-        "import extproc.transport.server\n"
-        "from extproc.cli import main\n"
+        "import extproc.app.server\n"
+        "from extproc.app.cli import main\n"
         "raise SystemExit(main(['check-config', 'stack/quota.yaml']))"
     )
     assert done.returncode == 0, done.stderr
@@ -41,7 +41,7 @@ def test_bench_without_the_lab_says_so_in_one_line() -> None:
     done = python(
         "import sys\n"
         "sys.modules['matplotlib'] = None  # as if the lab weren't installed\n"
-        "from extproc.cli import main\n"
+        "from extproc.app.cli import main\n"
         "raise SystemExit(main(['bench', 'benchmarks/scenarios/quick.yaml']))"
     )
     assert done.returncode == 2

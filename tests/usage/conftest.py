@@ -13,7 +13,7 @@ import redis
 
 from extproc.quota.base import AdmitRequest, Counter, UsageTags
 from extproc.quota.keys import counter_key, reservation_key
-from extproc.quota.redis_backend import RedisQuotaBackend
+from extproc.quota.redis.backend import RedisQuotaBackend
 from loadlab.redis_server import RedisServer
 
 TENANTS = ("acme", "beta corp", "gamma")

@@ -9,7 +9,7 @@ import pytest
 from extproc.config import ConfigError, parse_config
 from extproc.quota.base import LedgerSettings
 from extproc.quota.factory import backend_from_url
-from extproc.quota.memory_backend import MemoryQuotaBackend
+from extproc.quota.memory.backend import MemoryQuotaBackend
 from tests.config.test_config import base_doc
 
 

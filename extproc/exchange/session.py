@@ -9,7 +9,8 @@ cancellation, on an upstream error, on the idle watchdog, or at shutdown.
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -17,17 +18,16 @@ from extproc.admission.errors import ApiError, invalid_request
 from extproc.admission.gate import Admission, Admitted
 from extproc.admission.identity import UNTRUSTED_HEADERS
 from extproc.admission.ratelimit_headers import ratelimit_headers
-from extproc.admission.request import METERED_PATHS
 from extproc.admission.routes import upstream_allowed
-from extproc.billing.meter import ResponseMeter
-from extproc.tracing import ExchangeSpan, fail
-from extproc.transport import messages as msg
+from extproc.billing.meter import BillingDeps, ResponseMeter
+from extproc.endpoints import METERED_PATHS
+from extproc.exchange import messages as msg
+from extproc.tracing import ExchangeSpan, Tracer, fail
 
 if TYPE_CHECKING:
     from extproc.config import TenantSpec
-    from extproc.runtime import Runtime
 
-log = structlog.get_logger("extproc.session")
+log = structlog.get_logger("extproc.exchange.session")
 
 QUOTA_UNAVAILABLE = ApiError(
     503,
@@ -54,30 +54,66 @@ UPSTREAM_UNREADABLE = ApiError(
 )
 
 
+class OpenSessions:
+    """The admitted sessions not closed yet: the open-streams gauge, and what a shutdown
+    settles (``close_all``)."""
+
+    __slots__ = ("_open",)
+
+    def __init__(self) -> None:
+        self._open: set[Session] = set()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def add(self, session: Session) -> None:
+        self._open.add(session)
+
+    def discard(self, session: Session) -> None:
+        self._open.discard(session)
+
+    def close_all(self, reason: str, spawn: Callable[[Coroutine[Any, Any, Any]], object]) -> None:
+        """Close (settle) every open session as ``reason``, each in work of its own."""
+        for session in list(self._open):
+            spawn(session.close(reason))
+
+
 class Session:
     __slots__ = (
         "_body_answer",
         "_body_streamed",
         "admission",
         "admitted",
+        "billing",
         "busy",
         "client_request_id",
         "last_activity",
         "meter",
+        "metrics",
+        "open_sessions",
         "path",
         "request_id",
-        "runtime",
         "status",
         "tenant",
         "trace",
+        "tracer",
         "upstream_status",
     )
 
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
+    def __init__(
+        self,
+        admission: Admission,
+        billing: BillingDeps,
+        open_sessions: OpenSessions,
+        tracer: Tracer | None = None,
+    ) -> None:
         # The admission side at stream start: a reload mid-stream doesn't change the key
         # ring, policies or limits this exchange is authenticated, admitted and billed by.
-        self.admission: Admission = runtime.admission
+        self.admission = admission
+        self.billing = billing  # what its meter leases from, settles on and counts in
+        self.metrics = billing.metrics
+        self.open_sessions = open_sessions
+        self.tracer = tracer
         self.tenant: TenantSpec | None = None
         # Charges are keyed by an id minted here per exchange: a client's x-request-id is
         # only a label (a replayed id must never be served uncharged).
@@ -113,7 +149,7 @@ class Session:
         """Shutdown grace over: the meter's closing event + ``[DONE]`` with end_of_stream.
 
         None when nothing can be sent (not admitted, no response headers yet, already
-        ended); an admitted request is then settled as ``shutdown`` by ``Runtime.drain``.
+        ended); an admitted request is then settled as ``shutdown`` by ``OpenSessions.close_all``.
         """
         if self.meter is None:
             return None
@@ -130,7 +166,7 @@ class Session:
         out = meter.on_body_now(body.body, body.end_of_stream)
         if out is None:
             return None
-        self.runtime.metrics.body_messages_total += 1
+        self.metrics.body_messages_total += 1
         self._body_streamed.body = out
         return self._body_answer
 
@@ -139,7 +175,7 @@ class Session:
         kind = request.WhichOneof("request")
         if kind == "response_body":
             body = request.response_body
-            self.runtime.metrics.body_messages_total += 1
+            self.metrics.body_messages_total += 1
             if self.meter is None:
                 return msg.stream_response_body(body.body, body.end_of_stream)
             out, end = await self.meter.on_body(body.body, body.end_of_stream)
@@ -164,7 +200,7 @@ class Session:
         headers = msg.header_map(http)
         self.path = headers.get(":path", "").split("?", 1)[0]
         self.client_request_id = headers.get("x-request-id", "")[:MAX_CLIENT_ID]
-        tracer = self.runtime.tracer
+        tracer = self.tracer
         if tracer is not None:
             self.trace = tracer.exchange(headers, self.path)
             self.trace.span.set_attribute("extproc.request_id", self.request_id)
@@ -233,13 +269,11 @@ class Session:
             )
             span.end()
             model, plan = admitted.metric_labels
-            self.trace.admitted(admitted.request.endpoint, model, plan, self.tenant.id)
+            self.trace.admitted(admitted.request.endpoint.operation, model, plan, self.tenant.id)
         self.admitted = admitted
-        self.meter = ResponseMeter(
-            admitted, self.runtime, self.admission.config.refund_wait_s, self.trace
-        )
-        self.runtime.open_sessions.add(self)
-        self.runtime.metrics.admitted[admitted.metric_labels] += 1
+        self.meter = ResponseMeter(admitted, self.billing, self.trace)
+        self.open_sessions.add(self)
+        self.metrics.admitted[admitted.metric_labels] += 1
         new_body = admitted.request.new_body
         # BUFFERED + SEND headers: content-length is the processor's to keep right.
         set_headers = [("content-length", str(len(new_body)))]
@@ -252,7 +286,7 @@ class Session:
         self.status = error.status
         # Limit refusals are counted by the admission, with their model, plan and kind.
         if error.type != "rate_limit_error":
-            self.runtime.metrics.rejected[error.code or error.type] += 1
+            self.metrics.rejected[error.code or error.type] += 1
 
     def _on_response_headers(self, http: msg.pb.HttpHeaders) -> msg.ProcessingResponse:
         headers = msg.header_map(http)
@@ -288,7 +322,7 @@ class Session:
 
     async def close(self, reason: str) -> None:
         """End of the gRPC stream for any reason: settle once."""
-        self.runtime.open_sessions.discard(self)
+        self.open_sessions.discard(self)
         if self.meter is not None:
             await self.meter.settle(reason)
         if self.trace is not None:

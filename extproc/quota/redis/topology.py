@@ -12,9 +12,9 @@ URL forms (``redis_url``)::
 (``none``/``optional``/``required``) and ``ssl_ca_certs`` (TLS forms only).
 
 The quota scripts run on the same pipelined connection as on one server
-(``extproc.quota.resp``): one per master on a Cluster (``extproc.quota.cluster``: slot map,
-MOVED/ASK, re-read on failover), one to the master the sentinels name
-(``extproc.quota.sentinel``: fenced while a failover is in progress). redis-py's clients
+(``extproc.quota.redis.resp``): one per master on a Cluster (``extproc.quota.redis.cluster``:
+slot map, MOVED/ASK, re-read on failover), one to the master the sentinels name
+(``extproc.quota.redis.sentinel``: fenced while a failover is in progress). redis-py's clients
 (``build_client``: ``RedisCluster``, ``Sentinel.master_for``) remain the backend's
 ``client`` for the calls off the hot path (the orphan reconciler's pipelines).
 
@@ -43,12 +43,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.quota.base import SETTLED_TTL_S, LedgerSettings
-from extproc.quota.cluster import ClusterConnection
-from extproc.quota.redis_backend import RedisQuotaBackend
-from extproc.quota.resp import RespConnection
-from extproc.quota.sentinel import CHECK_S as SENTINEL_CHECK_S
-from extproc.quota.sentinel import SentinelConnection
-from extproc.quota.slots import Address
+from extproc.quota.redis.backend import RedisQuotaBackend
+from extproc.quota.redis.cluster import ClusterConnection
+from extproc.quota.redis.resp import RespConnection
+from extproc.quota.redis.sentinel import CHECK_S as SENTINEL_CHECK_S
+from extproc.quota.redis.sentinel import SentinelConnection
+from extproc.quota.redis.slots import Address
 
 TopologyKind = Literal["single", "cluster", "sentinel"]
 

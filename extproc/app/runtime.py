@@ -3,26 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
 from extproc import __version__
 from extproc.admission.gate import Admission
 from extproc.config import Config
+from extproc.exchange.session import OpenSessions, Session
 from extproc.metrics import Metrics, MetricsCollector, registry_for
 from extproc.quota.base import QuotaBackend
 from extproc.quota.factory import backend_from_url
-from extproc.quota.orphans import Liveness, start_liveness
-from extproc.quota.resilient import Resilience
+from extproc.quota.liveness.orphans import Liveness, start_liveness
+from extproc.quota.resilience.backend import Resilience
 from extproc.tokens.registry import DEFAULT_RULES, TokenizerRegistry, TokenizerRule
 from extproc.tracing import Tracer, tracer_from_env
 
-if TYPE_CHECKING:
-    from extproc.session import Session
-
-log = structlog.get_logger("extproc.runtime")
+log = structlog.get_logger("extproc.app.runtime")
 
 
 def tokenizer_rules(config: Config) -> list[TokenizerRule]:
@@ -49,6 +48,15 @@ def redis_credentials(config: Config) -> dict[str, str]:
     """The configured Redis ACL user and password (each overrides the URL's)."""
     found = {"username": config.redis_username, "password": config.redis_password}
     return {k: v for k, v in found.items() if v is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class Billing:
+    """What every meter uses (``extproc.billing.meter.BillingDeps``)."""
+
+    backend: QuotaBackend
+    metrics: Metrics
+    spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]
 
 
 class Runtime:
@@ -102,7 +110,8 @@ class Runtime:
         self.tracer: Tracer | None = tracer_from_env()
         self.registry = TokenizerRegistry(tokenizer_rules(config))
         self.admission = Admission(config, self.backend, self.registry, self.metrics, self.spawn)
-        self.open_sessions: set[Session] = set()
+        self.billing = Billing(self.backend, self.metrics, self.spawn)
+        self.open_sessions = OpenSessions()
         self._background: set[asyncio.Task[Any]] = set()
         # Heartbeat, registration of open reservations, sweep for dead peers (Redis only):
         # started here when built on a running loop (``serve``), stopped in ``close``.
@@ -120,6 +129,10 @@ class Runtime:
                 sweep_interval_s=config.orphan_sweep_s,
             )
 
+    def session(self) -> Session:
+        """A session for a new stream, on the admission side installed now."""
+        return Session(self.admission, self.billing, self.open_sessions, self.tracer)
+
     def warm_up(self) -> None:
         """Resolve every configured model's tokenizer now, not on a client's first request."""
         for model in self.config.models:
@@ -127,7 +140,7 @@ class Runtime:
         self.metrics.tokenizer_fallbacks_total = self.registry.load_failures
 
     def install(self, config: Config, registry: TokenizerRegistry) -> None:
-        """Swap in a validated configuration (``extproc.config.reload``) and its warmed-up
+        """Swap in a validated configuration (``extproc.app.reload``) and its warmed-up
         tokenizers: one step on the loop, so every session sees the old admission side or the
         new one, never a mix. Sessions keep the one they started with; the quota backend and
         the prompt-counting pool are shared, not rebuilt."""
@@ -148,8 +161,7 @@ class Runtime:
         """Settle every open session as ``shutdown`` and wait, for at most ``timeout_s``, for
         background work (settlements, leases) and the work it spawns in turn, then for the
         backend's queue of settlements it could not apply yet (Redis down)."""
-        for session in list(self.open_sessions):
-            self.spawn(session.close("shutdown"))
+        self.open_sessions.close_all("shutdown", self.spawn)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while self._background:
@@ -158,9 +170,7 @@ class Runtime:
                 log.error("drain_timeout", pending=len(self._background))
                 break
             await asyncio.wait(list(self._background), timeout=remaining)
-        flush = getattr(self.backend, "flush", None)
-        if flush is not None:
-            await flush(max(0.0, deadline - loop.time()))
+        await self.backend.flush(max(0.0, deadline - loop.time()))
 
     async def close(self) -> None:
         if self.liveness is not None:

@@ -14,9 +14,9 @@ import sys
 import orjson
 import structlog
 
+from extproc.app.reload import DEFAULT_POLL_S
+from extproc.app.workers import WORKER_TIMEOUT_S, WorkerRole
 from extproc.config import ConfigError, load_config
-from extproc.config.reload import DEFAULT_POLL_S
-from extproc.transport.workers import WORKER_TIMEOUT_S, WorkerRole
 
 
 def _configure_logging(level: str, worker: int | None = None) -> None:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "(SIGSTOPped, blocked, deadlocked) is killed and replaced; its open records are "
         "settled by a peer (0: only dead workers are replaced)",
     )
-    # Set by the supervisor on each worker's command line (extproc.transport.workers).
+    # Set by the supervisor on each worker's command line (extproc.app.workers).
     for hidden, kind in (
         ("--worker-index", int),
         ("--worker-count", int),
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "usage":
         return _usage(args)
     if args.command == "key":
-        from extproc.keys import key_main
+        from extproc.app.keys import key_main
 
         return key_main(args)
 
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"extproc: {problem}", file=sys.stderr)
         return 2
     if args.workers > 1:
-        from extproc.transport.workers import refusal, supervise
+        from extproc.app.workers import refusal, supervise
 
         # Refused before any worker starts: N in-memory counters multiply every limit by N.
         problem = refusal(args.workers, config.listen, config.redis_url, args.metrics_listen)
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         return supervise(
             shared, args.workers, config.listen, args.metrics_listen, args.worker_timeout_s
         )
-    from extproc.transport.server import serve as run_server
+    from extproc.app.server import serve as run_server
 
     role = None
     if args.worker_index is not None:

@@ -6,7 +6,7 @@ reservation it held open keeps its whole charge, prompt + the output reserved so
 because nobody knows any more how much of it was delivered:
 
 * a leased stream had forwarded tokens plus the lease in hand, which the lease-ahead rule
-  (``extproc.billing.lease``) keeps within one batch of the one being delivered: at most
+  (``extproc.admission.lease``) keeps within one batch of the one being delivered: at most
   ``1.5 × batch_tokens`` not yet forwarded (48 tokens at the default batch of 32);
 * a request reserved whole (not streamed, ``reserve_max``) had prompt + ``max_tokens × n``.
 
@@ -36,7 +36,7 @@ for a whole TTL (a peer started with the dead one waits that long once).
 
 A dead processor's records are billed as charged. Its peer knows only the record: what was
 reserved. That is also what a settlement still waiting in the dead processor's local queue
-(Redis was away, ``extproc.quota.resilient``) leaves behind: the record stays open in Redis,
+(Redis was away, ``extproc.quota.resilience``) leaves behind: the record stays open in Redis,
 so a peer settles it at what it reserved, never at nothing — including an admission whose
 reply was lost and whose queued cancel died with the processor. What the processor served
 from its fail-open allowance and had not yet absorbed into Redis is lost with it (at most
@@ -121,7 +121,9 @@ def settle_bound_s(heartbeat_ttl_s: float, sweep_interval_s: float) -> float:
 
 
 def _lua(name: str) -> str:
-    return resources.files("extproc.quota").joinpath("lua", name).read_text(encoding="utf-8")
+    return (
+        resources.files("extproc.quota.liveness").joinpath("lua", name).read_text(encoding="utf-8")
+    )
 
 
 class LuaScript:

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from extproc.app.runtime import Runtime, build_registry
 from extproc.config.loader import load_config, source_files
 from extproc.config.schema import Config, ConfigError
 
 if TYPE_CHECKING:
-    from extproc.runtime import Runtime
     from extproc.tokens.registry import TokenizerRegistry
 
 log = structlog.get_logger("extproc.reload")
@@ -168,8 +168,6 @@ class ConfigReloader:
     def _prepare(self, old: Config) -> tuple[Config, TokenizerRegistry | None]:
         """In a worker thread: the validated config and its warmed-up tokenizer registry
         (None: the file holds the running configuration)."""
-        from extproc.runtime import build_registry
-
         self._seen = _content_digest(self.path)
         new = load_config(self.path, self.overrides)
         changed = needs_restart(old, new)

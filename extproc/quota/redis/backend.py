@@ -3,8 +3,8 @@
 Each operation is one Lua script (``lua/*.lua``) so that check-and-charge is atomic across
 processors and replicas, and windows come from the Redis ``TIME`` of the server that holds
 the counters, never from a processor's clock. The scripts run on pipelined connections
-(``extproc.quota.resp``: a tenth of redis-py's CPU per call): one to a single server, one
-per master of a Cluster, one to a Sentinel-managed master (``extproc.quota.topology``);
+(``extproc.quota.redis.resp``: a tenth of redis-py's CPU per call): one to a single server, one
+per master of a Cluster, one to a Sentinel-managed master (``extproc.quota.redis.topology``);
 EVALSHA, and on NOSCRIPT (a restarted or failed-over server) EVAL, which loads the script
 again. redis-py's client serves what is off the hot path (the orphan reconciler).
 
@@ -29,7 +29,7 @@ charges nothing and replies the server's time: the offset is corrected and the c
 Ownership. Each backend instance is one processor identity (``owner_id``): admit.lua stores
 it in every admitted record and adds the record to the owner's open set in the tenant's
 slot (``keys.open_set_key``), settle.lua takes it out: the same script calls, no extra
-round trip. With ``registrations`` set (``extproc.quota.orphans`` sets it), an admission
+round trip. With ``registrations`` set (``extproc.quota.liveness.orphans`` sets it), an admission
 first makes sure the processor's index in ``{~p}`` lists that open set: a set lookup, and
 one round trip the first time a tenant is seen (and after a heartbeat lapse), so a peer
 finds every open record of a dead processor. ``settle_orphan`` is the peer's side: it
@@ -61,6 +61,7 @@ from extproc.quota import windows
 from extproc.quota.base import (
     RECORD_TTL_S,
     SETTLED_TTL_S,
+    Absorption,
     AdmitRequest,
     Counter,
     CounterState,
@@ -78,9 +79,11 @@ from extproc.quota.keys import (
     RESERVATION_KEY_PATTERN,
     WINDOW_KEY_PATTERN,
     open_count_key,
+    usage_stream_key,
+    window_key,
 )
-from extproc.quota.orphans import Registrations
-from extproc.quota.resp import RespConnection, Script, ScriptRunner
+from extproc.quota.liveness.orphans import Registrations
+from extproc.quota.redis.resp import RespConnection, Script, ScriptRunner
 
 T = TypeVar("T")
 # What ``settle_orphan`` found: settled now, settled before (by its owner or a peer), no
@@ -140,7 +143,7 @@ _SAFE_KEY = re.compile(r"^[A-Za-z0-9:._-]*$")
 
 
 def _read_lua(name: str) -> str:
-    return resources.files("extproc.quota").joinpath("lua", name).read_text(encoding="utf-8")
+    return resources.files("extproc.quota.redis").joinpath("lua", name).read_text(encoding="utf-8")
 
 
 # Scripts that write usage ledger entries: lua/ledger.lua goes before them too.
@@ -241,11 +244,12 @@ class RedisQuotaBackend:
         self._command_timeout_s = command_timeout_s
         self.owner_id = owner_id or new_owner_id()
         self.settled_ttl_s = settled_ttl_s
-        # Set by ``extproc.quota.orphans.Liveness``; None: no index is kept (no cost at all).
+        # Set by ``extproc.quota.liveness.orphans.Liveness``; None: no index is kept (no cost).
         self.registrations: Registrations | None = None
         self._owner_part = keynames.encode_name(self.owner_id)
         self._admit = Script(self.script_source("admit.lua"))
         self._reserve = Script(self.script_source("reserve.lua"))
+        self._absorb = Script(load_lua("absorb.lua"))
         self.ledger = ledger if ledger is not None else LedgerSettings()  # builds _settle
         # Server clock minus ours, learned from the TIME in every reply.
         self.clock_offset_s = 0.0
@@ -365,10 +369,6 @@ class RedisQuotaBackend:
                 return await self._scripts.probe(shard)
         except (RedisError, OSError):  # TimeoutError included
             return False
-
-    async def run(self, operation: str, script: Script, keys: list[Any], args: list[Any]) -> Any:
-        """One script call of another module (the absorb) under this backend's deadline."""
-        return await self._call(operation, self._scripts.run_script(script, keys, args))
 
     async def _call(self, operation: str, call: Awaitable[T]) -> T:
         """Run one script call under the deadline, mapping failures to the quota errors."""
@@ -607,6 +607,38 @@ class RedisQuotaBackend:
         if status in ("settled", "already_settled"):
             return status, _settlement(status == "already_settled", summary)
         return status, None
+
+    async def absorb(self, absorption: Absorption) -> bool:
+        """absorb.lua: every entry is charged to its counter's current window on the server
+        (the only live one), whose key is passed; a wrong guess of the server's clock is
+        retried. Its ledger entry names those windows."""
+        now_s = self.server_now_s()
+        usage, ledger = absorption.usage, self.ledger
+        on = usage is not None and ledger.enabled
+        fields = ("", "", "", "completed", 0, 0, "") if usage is None else (
+            usage.plan, usage.model, usage.client_request_id, usage.reason,
+            usage.prompt_tokens, usage.output_tokens, usage.admitted_at_us,
+        )  # fmt: skip
+        for _ in range(WINDOW_RETRIES + 1):
+            keys = [absorption.key]
+            args: list[Any] = [RECORD_TTL_S, windows.EXPIRY_MARGIN_S, 1 if on else 0,
+                               ledger.max_len, ledger.retention_s * 1000, *fields]  # fmt: skip
+            for prefix, window_s, start, amount in absorption.entries:
+                current = windows.window_start(now_s, window_s)
+                keys.append(window_key(prefix, current))
+                args += (window_s, current, start, amount)
+            keys.append(usage_stream_key(absorption.key))
+            call = self._scripts.run_script(self._absorb, keys, args)
+            reply = await self._call("absorb", call)
+            if int(reply[0]) != 2:
+                return int(reply[0]) == 0
+            self.window_retries += 1
+            now_s = int(self.learn_clock(reply[2], reply[3]))
+        raise WrongWindow("quota absorb: window keys kept missing the server's clock")
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Nothing is held back here (the resilient wrapper queues what Redis can't take)."""
+        return True
 
     async def check(self) -> None:
         """PING, raising why it failed: ``QuotaMisconfigured`` when Redis refuses the

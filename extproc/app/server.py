@@ -1,5 +1,5 @@
 """The processor's gRPC server: ext_proc + standard health, graceful stop on SIGTERM,
-configuration reload on SIGHUP and on file change (``extproc.config.reload``).
+configuration reload on SIGHUP and on file change (``extproc.app.reload``).
 
 Stop order: NOT_SERVING first, while new streams are still taken (``drain_delay_s``, until
 Envoy's health checks have seen it: Envoy sends no new stream to a processor refusing them);
@@ -22,13 +22,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.exposition import choose_encoder
 
+from extproc.app.reload import DEFAULT_POLL_S, ConfigReloader
+from extproc.app.runtime import Runtime
+from extproc.app.workers import WorkerRole, beat_supervisor
 from extproc.config import Config
-from extproc.config.reload import DEFAULT_POLL_S, ConfigReloader
 from extproc.quota.base import QuotaMisconfigured, QuotaUnavailable
-from extproc.runtime import Runtime
 from extproc.transport.service import ExternalProcessorService
 from extproc.transport.tls import RotatingCredentials
-from extproc.transport.workers import WorkerRole, beat_supervisor
 
 log = structlog.get_logger("extproc.server")
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -74,12 +74,8 @@ async def serve(
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
     where = config.normalised["redis_url"]
-    check = getattr(runtime.backend, "check", None)  # Redis backends: says why it failed
     try:
-        if check is not None:
-            await check()
-        elif not await runtime.backend.ping():
-            raise QuotaUnavailable("no answer")
+        await runtime.backend.check()  # says why it failed
     except QuotaMisconfigured as exc:
         raise RuntimeError(f"quota backend at {where}: {exc}") from exc
     except QuotaUnavailable as exc:
@@ -100,7 +96,7 @@ async def serve(
             ("grpc.so_reuseport", 1),  # --workers: N processes share the listen port
         ]
     )
-    service = ExternalProcessorService(runtime)
+    service = ExternalProcessorService(runtime.session, runtime.metrics, runtime.spawn)
     pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

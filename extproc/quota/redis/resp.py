@@ -19,8 +19,8 @@ no longer a master, so a caller holding it retries on the new one, never on the 
 Errors are redis-py's exception classes, so callers map one set; a Cluster's redirections
 and state errors get their own (``MovedError``, ``AskError``, ``TryAgainError``, ...).
 
-A Cluster (``extproc.quota.cluster``) keeps one such connection per master and a Sentinel
-client (``extproc.quota.sentinel``) one to the current master: every topology has this
+A Cluster (``extproc.quota.redis.cluster``) keeps one such connection per master and a Sentinel
+client (``extproc.quota.redis.sentinel``) one to the current master: every topology has this
 cost per call.
 """
 

@@ -38,7 +38,7 @@ every ``beat_interval(timeout)`` once it serves (``beat_supervisor``); a worker 
 stays silent ``--worker-timeout-s`` (10 s; SIGSTOPped, its loop blocked, deadlocked) or
 that does not serve within ``START_TIMEOUT_S`` is SIGKILLed (logged ``worker_hung``) and
 restarted like a dead one. Its clients' streams are cut (a hung loop answers nothing); its
-open records are settled by a live peer from Redis (``extproc.quota.orphans``: within
+open records are settled by a live peer from Redis (``extproc.quota.liveness.orphans``: within
 ``heartbeat_ttl_s`` + ``orphan_sweep_s`` of its last heartbeat, which stopped with its loop).
 
 Each worker knows its index and the number of workers (``WorkerRole``): its log records

@@ -19,7 +19,7 @@ and what is written there then is lost when it resyncs from the new master. So e
   ``READONLY`` (a demoted master) makes the sentinels be asked at once, and either is sent
   once more to the new master (the quota scripts are idempotent).
 
-Deadlines and cancellation are the connection's own (``extproc.quota.resp``).
+Deadlines and cancellation are the connection's own (``extproc.quota.redis.resp``).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
 
-from extproc.quota.resp import RespConnection, Script
-from extproc.quota.slots import Address
+from extproc.quota.redis.resp import RespConnection, Script
+from extproc.quota.redis.slots import Address
 
 log = structlog.get_logger("extproc.sentinel")
 

@@ -23,6 +23,7 @@ from extproc.quota import windows
 from extproc.quota.base import (
     RECORD_TTL_S,
     SETTLED_TTL_S,
+    Absorption,
     AdmitRequest,
     Counter,
     CounterKind,
@@ -208,6 +209,7 @@ class MemoryQuotaBackend:
         self._counters: dict[str, tuple[int, float]] = {}  # window key -> (value, expires_at)
         self._sliding: dict[str, _SlidingHash] = {}
         self._records: dict[str, _Record] = {}
+        self._absorbed: dict[str, float] = {}  # absorb record key -> expires_at
         self._sweep_interval_s = sweep_interval_s
         self._next_sweep = 0.0
 
@@ -235,6 +237,7 @@ class MemoryQuotaBackend:
             self._counters = {k: e for k, e in self._counters.items() if e[1] > now}
             self._sliding = {k: h for k, h in self._sliding.items() if h.expires_at > now}
             self._records = {k: r for k, r in self._records.items() if r.expires_at > now}
+            self._absorbed = {k: e for k, e in self._absorbed.items() if e > now}
             self._open_sets = {
                 k: o for k, o in self._open_sets.items() if o.expires_at > now and o.members
             }
@@ -587,11 +590,15 @@ class MemoryQuotaBackend:
             "admitted_at_us": record.admitted_at_us,
             "settled_at_us": _micros(now),
         }
+        self._add_entry(usage_stream_key(reservation_key), fields, now)
+
+    def _add_entry(self, stream_key: str, fields: dict[str, str], now: float) -> None:
+        """XADD (an id after the last one) with the ledger's MAXLEN and MINID bounds."""
         ms = math.floor(now * 1000)
         seq = self._last_id[1] + 1 if ms <= self._last_id[0] else 0
         ms = max(ms, self._last_id[0])
         self._last_id = (ms, seq)
-        stream = self._ledgers.setdefault(usage_stream_key(reservation_key), deque())
+        stream = self._ledgers.setdefault(stream_key, deque())
         stream.append((f"{ms}-{seq}", fields))
         if self.ledger.max_len > 0:
             while len(stream) > self.ledger.max_len:
@@ -600,6 +607,54 @@ class MemoryQuotaBackend:
             horizon = math.floor(now * 1000) - self.ledger.retention_s * 1000
             while stream and int(stream[0][0].split("-")[0]) < horizon:
                 stream.popleft()
+
+    async def absorb(self, absorption: Absorption) -> bool:
+        """absorb.lua: each entry into its counter's current window, once per record key."""
+        now, now_s = self._tick()
+        if absorption.key in self._absorbed and self._absorbed[absorption.key] > now:
+            return False
+        nets: dict[str, int] = {}
+        for prefix, window_s, _, amount in absorption.entries:
+            current = windows.window_start(now_s, window_s)
+            key = window_key(prefix, current)
+            value, expires = self._counters.get(key, (0, 0.0))
+            value = (value if expires > now else 0) + amount
+            if value == amount:  # INCRBY made the key (or found 0): PEXPIREAT
+                expires = current + window_s + windows.EXPIRY_MARGIN_S
+            self._counters[key] = (value, expires)
+            nets[key] = nets.get(key, 0) + amount
+        self._absorbed[absorption.key] = now + RECORD_TTL_S
+        usage = absorption.usage
+        if usage is not None and self.ledger.enabled:
+            tenant, request_id = reservation_names(absorption.key.removesuffix(":absorb"))
+            used = usage.prompt_tokens + usage.output_tokens
+            self._add_entry(
+                usage_stream_key(absorption.key),
+                {
+                    "tenant": tenant,
+                    "plan": usage.plan,
+                    "model": usage.model,
+                    "request_id": request_id,
+                    "client_request_id": usage.client_request_id,
+                    "prompt_tokens": str(usage.prompt_tokens),
+                    "output_tokens": str(usage.output_tokens),
+                    "reserved": str(used),
+                    "used": str(used),
+                    "refunded": "0",
+                    "windows": windows.ledger_windows(nets.items(), ranked_only=True),
+                    "reason": usage.reason,
+                    "admitted_at_us": usage.admitted_at_us,
+                    "settled_at_us": _micros(now),
+                },
+                now,
+            )
+        return True
+
+    async def flush(self, timeout_s: float) -> bool:
+        return True  # every call is applied as it is made
+
+    async def check(self) -> None:
+        return None  # in process: always answers
 
     async def ping(self) -> bool:
         return True

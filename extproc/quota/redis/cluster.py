@@ -52,8 +52,8 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from extproc.quota.resp import RespConnection, Script, pack
-from extproc.quota.slots import SLOTS, Address, SlotMap, key_slot
+from extproc.quota.redis.resp import RespConnection, Script, pack
+from extproc.quota.redis.slots import SLOTS, Address, SlotMap, key_slot
 
 log = structlog.get_logger("extproc.cluster")
 

@@ -1,0 +1,1 @@
+"""Orchestration: the CLI, the server and its workers, the runtime, configuration reload."""

@@ -1,0 +1,1 @@
+"""One HTTP exchange as Envoy shows it: the session and the ext_proc wire messages."""

@@ -1,0 +1,1 @@
+"""Processor liveness: heartbeats, the index of open records, peers settling the dead."""

@@ -1,0 +1,1 @@
+"""The in-process backend: the embedded default for a single processor."""

@@ -1,0 +1,1 @@
+"""The Redis backend: the RESP wire, Cluster and Sentinel topologies, the Lua scripts."""
