@@ -155,7 +155,10 @@ def test_within_budget_the_client_gets_the_models_stream_minus_the_forced_usage_
     assert result.status == 200 and result.clean_end and result.done
     assert result.usage is None  # the client didn't ask for it; admission forced it upstream
     assert result.error is None
-    assert 0 < result.output_tokens() <= 40
+    if tenants.mode == "exact":
+        assert 0 < result.output_tokens() <= 40
+    else:  # 40 of v0.10.2's dummy tokens can be more o200k tokens (pieces like "Today ")
+        assert result.output_tokens() > 0
 
     request = payload(max_tokens=40, stream_options={"include_usage": True})
     asked = asyncio.run(stream_http1(url(gateway), tenants.key("within_usage"), request))
