@@ -510,6 +510,7 @@ class Differential(RuleBasedStateMachine):
         more=st.lists(batches, max_size=4),
         usage=usages,
         end=st.sampled_from(["settle", "settle", "cancel", "stay open"]),
+        resend_last=st.booleans(),
     )
     def stream(
         self,
@@ -517,12 +518,16 @@ class Differential(RuleBasedStateMachine):
         more: list[tuple[int, int]],
         usage: tuple[int, str, int | None, int],
         end: str,
+        resend_last: bool,
     ) -> Req:
-        """A request's life as the processor drives it: admitted, leased batch by batch,
-        then settled (or cancelled, or left open for others to run beside)."""
+        """A request's life as the processor drives it: admitted, leased batch by batch
+        (the last batch maybe sent twice, as a retry after a lost reply does), then settled
+        (or cancelled, or left open for others to run beside)."""
         req = self.new_request(spec, "admit")
         for batch in more if req.open else ():
             self.reserve(req, False, 0, batch)
+        if req.open and more and resend_last:
+            self.reserve(req, True, len(req.seqs) - 1, more[-1])
         if end == "settle":
             self.settle(req, usage)
         elif end == "cancel":
@@ -556,12 +561,19 @@ class Differential(RuleBasedStateMachine):
             lambda b: b.reserve(req.key, seq, req.token_counters, amount, minimum),
         )
 
-    @rule(which=st.integers(0, 15), more=st.lists(batches, min_size=1, max_size=4))
-    def lease(self, which: int, more: list[tuple[int, int]]) -> None:
-        """The next lease batches of an open request, as a stream asks for them."""
+    @rule(
+        which=st.integers(0, 15),
+        more=st.lists(batches, min_size=1, max_size=4),
+        resend_last=st.booleans(),
+    )
+    def lease(self, which: int, more: list[tuple[int, int]], resend_last: bool) -> None:
+        """The next lease batches of an open request, as a stream asks for them; the last
+        one maybe sent twice, as a retry after a lost reply does."""
         req = self._open(which)
         for batch in more if req is not None else ():
             self.reserve(req, False, 0, batch)
+        if req is not None and resend_last:
+            self.reserve(req, True, len(req.seqs) - 1, more[-1])
 
     def _note_ended_windows(self, op: str, req: Req) -> None:
         """Count a settlement whose request holds a charge in a window that has ended (the
