@@ -203,15 +203,24 @@ class Watcher:
                 tampered = {"tamper": "counter", "key": key, "by": 100_000}
             elif tamper == "ledger":
                 # An entry that moved exactly one counter window (not one that straddles a
-                # window boundary, nor one that netted 0), so the breakage is one mismatch.
+                # window boundary, nor one that netted 0), a window read after it ended (one
+                # never read then is not checked), so the breakage is one mismatch.
+                from extproc.quota.keys import decode_name
+
+                verified = {
+                    (decode_name(w.tenant), w.window_s, w.start)
+                    for w in self.windows.values()
+                    if w.final
+                }
+
+                def breaks_one(e: dict[str, str]) -> bool:
+                    moved = [(ws, st) for ws, st, net in _net(e) if net]
+                    return len(moved) == 1 and (e.get("tenant", ""), *moved[0]) in verified
+
                 streams = [k async for k in client.scan_iter(match=f"{self.prefix}:{{*}}:usage")]
                 for stream in streams:
                     entry_id = next(
-                        (
-                            i
-                            for i, e in await client.xrange(stream, "-", "+")
-                            if sum(1 for _, _, net in _net(e) if net) == 1
-                        ),
+                        (i for i, e in await client.xrange(stream, "-", "+") if breaks_one(e)),
                         None,
                     )
                     if entry_id is not None:

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from setuptools import find_packages
 
+import extproc
 from extproc.config import load_config
 from stack.envoy import envoy_binary
 from tests.deploy.conftest import (
@@ -31,7 +32,8 @@ from tests.deploy.conftest import (
 )
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-VERSION = PYPROJECT["project"]["version"]
+VERSION = extproc.__version__  # the one version source (pyproject reads it)
+LAB = tomllib.loads((ROOT / "lab" / "pyproject.toml").read_text())
 EXACT_TAG = re.compile(r"^v?\d+\.\d+\.\d+(-[a-z0-9.-]+)?$")
 
 # Every YAML key llm-d-inference-sim v0.10.2 reads (pkg/common/config.go, its `yaml:` tags).
@@ -97,6 +99,17 @@ def test_images_are_the_versions_the_tests_run(compose, k8s_objects):
     assert {i for i in images if "token-quota-extproc" in i} == {f"token-quota-extproc:{VERSION}"}
     assert compose["services"]["extproc"]["build"]["dockerfile"] == "Dockerfile"
     assert f'org.opencontainers.image.version="{VERSION}"' in (ROOT / "Dockerfile").read_text()
+
+
+def test_one_version_source_and_everything_that_names_a_version_agrees():
+    assert PYPROJECT["project"]["dynamic"] == ["version"]
+    assert "version" not in PYPROJECT["project"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "extproc.__version__"}
+    assert LAB["project"]["version"] == VERSION
+    assert f"token-quota-extproc=={VERSION}" in LAB["project"]["dependencies"]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert set(re.findall(r"token-quota-extproc:([\w.]+)", dockerfile)) == {VERSION}
+    assert f"## [{VERSION}]" in (ROOT / "CHANGELOG.md").read_text()
 
 
 def test_every_file_compose_mounts_or_builds_exists(compose):
