@@ -7,4 +7,5 @@ bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports  # the layer contracts in pyproject.toml: no import back up
+.venv/bin/mypy  # extproc/ in strict mode ([tool.mypy] in pyproject.toml)
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -247,7 +247,8 @@ def find_orphan_backend(backend: Any) -> OrphanBackend | None:
     seen: set[int] = set()
     while backend is not None and id(backend) not in seen:
         if hasattr(backend, "settle_orphan") and hasattr(backend, "registrations"):
-            return backend  # type: ignore[no-any-return]
+            found: OrphanBackend = backend  # duck-typed: the two members that tell it apart
+            return found
         seen.add(id(backend))
         backend = next(
             (getattr(backend, a) for a in _WRAPPED if getattr(backend, a, None) is not None),
