@@ -276,11 +276,8 @@ class OutputCount:
     def choice_indices(self) -> list[int]:
         """The integer indices of the choices that carried output, in order."""
         found: set[int] = set()
-        for k in self._counters:  # an index, or (index, *field)
-            if type(k) is tuple:
-                k = k[0]
-            elif type(k) is not int:
-                continue
-            if type(k) is int:
-                found.add(k)
+        for key in self._counters:  # an index, or (index, *field)
+            index = key[0] if type(key) is tuple else key
+            if type(index) is int:
+                found.add(index)
         return sorted(found)
