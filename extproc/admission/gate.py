@@ -36,9 +36,10 @@ from extproc.quota.base import (
     Verdict,
     unit_of,
 )
+from extproc.tokens.model_tokenizer import ModelTokenizer
 from extproc.tokens.offload import PromptCounter
 from extproc.tokens.prompt import MalformedRequest
-from extproc.tokens.registry import ModelTokenizer, TokenizerRegistry
+from extproc.tokens.registry import TokenizerRegistry
 
 log = structlog.get_logger("extproc.admission")
 

@@ -13,6 +13,7 @@ import sys
 
 import orjson
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 from extproc.app.reload import DEFAULT_POLL_S
 from extproc.app.workers import WORKER_TIMEOUT_S, WorkerRole
@@ -23,7 +24,7 @@ def _configure_logging(level: str, worker: int | None = None) -> None:
     """JSON records on stderr; a worker of ``serve --workers N`` puts its index in each."""
     logging.basicConfig(format="%(message)s", stream=sys.stderr, level=level.upper())
 
-    def add_worker(_: object, __: str, event: dict[str, object]) -> dict[str, object]:
+    def add_worker(_: WrappedLogger, __: str, event: EventDict) -> EventDict:
         event.setdefault("worker", worker)
         return event
 

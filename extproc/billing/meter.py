@@ -1,13 +1,14 @@
-"""Lease-ahead billing of one response, and its settlement.
+"""Lease-ahead billing of one response: what goes out, what it costs, where it is cut.
 
 The meter holds a lease: output tokens already reserved in the quota backend (admission
-reserved the first batch). An SSE event reaches the client only when the tokens it carries
-are covered by the lease. When the lease runs low, the next batch is reserved in the
-background, so in normal operation no event waits for Redis. When a batch can't be had,
-the covered events go out followed by a closing event and ``[DONE]`` with
-``end_of_stream``: Envoy ends the client's response cleanly and drops the upstream.
+reserved the first batch; ``extproc.billing.leasing``). An SSE event reaches the client
+only when the tokens it carries are covered by the lease. When the lease runs low, the next
+batch is reserved in the background, so in normal operation no event waits for Redis. When
+a batch can't be had, the covered events go out followed by a closing event and ``[DONE]``
+with ``end_of_stream``: Envoy ends the client's response cleanly and drops the upstream.
 
-Settlement commits what was delivered and refunds the rest of the reservation, once.
+Settlement (``extproc.billing.settlement``) commits what was delivered and refunds the
+rest of the reservation, once.
 """
 
 from __future__ import annotations
@@ -19,19 +20,11 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import orjson
 import structlog
 
-from extproc.admission.lease import (
-    REFUND_RETRY_S,
-    cover_lease,
-    fair_share,
-    lease_due_at,
-    next_lease,
-    refund_retries,
-)
-from extproc.admission.limit_names import describe_limit
-from extproc.admission.policy import limit_kind
 from extproc.billing import answer, closing, sniff
 from extproc.billing.decoding import DECODABLE, Decoder, UndecodableBody, encodings
+from extproc.billing.leasing import Leasing
 from extproc.billing.output import OutputCount
+from extproc.billing.settlement import Settlement
 from extproc.billing.sse import (
     MALFORMED,
     JsonBodyCollector,
@@ -40,8 +33,8 @@ from extproc.billing.sse import (
     SseReassembler,
     parse_json_data,
 )
-from extproc.quota.base import QuotaBackend, SettleReason
-from extproc.tracing import ExchangeSpan, fail
+from extproc.quota.base import QuotaBackend
+from extproc.tracing import ExchangeSpan
 
 if TYPE_CHECKING:
     from extproc.admission.gate import Admitted
@@ -54,8 +47,6 @@ log = structlog.get_logger("extproc.billing")
 # follows is dropped; json: read whole at the end (a JSON answer, or a stream under another
 # content type or not SSE); unreadable: an encoding the meter can't decode (refused).
 Mode = Literal["pending", "sniff", "sse", "done", "json", "unreadable"]
-# Our count may differ from the upstream's usage by this much before it is flagged.
-USAGE_TOLERANCE = 0.02
 # ``_cost`` of an event that is not forwarded as counted: the forced usage chunk (withheld),
 # ``[DONE]`` (forwarded; the rest of the body is dropped), data no client parser reads
 # (the stream ends there as an upstream error).
@@ -78,7 +69,12 @@ class BillingDeps(Protocol):
     def spawn(self, coro: Coroutine[Any, Any, Any], /) -> object: ...
 
 
-class ResponseMeter:
+class ResponseMeter(Leasing, Settlement):
+    """One response, message by message: decodes and reassembles the body, counts each
+    event's output, forwards what the lease covers, cuts the stream where it doesn't, and
+    settles once at the end (the lease and the settlement are ``Leasing``'s and
+    ``Settlement``'s)."""
+
     def __init__(
         self, admitted: Admitted, billing: BillingDeps, trace: ExchangeSpan | None = None
     ) -> None:
@@ -88,28 +84,16 @@ class ResponseMeter:
         self.metrics = billing.metrics
         self.spawn = billing.spawn
         self._labels = admitted.metric_labels  # (model, plan)
-        self.states = admitted.states
+        self._rid = admitted.reservation_key
         self.mode: Mode = "pending"
         self.incremental = admitted.incremental
-        self.batch = admitted.policy.batch_tokens
         self.max_output = admitted.request.max_tokens * admitted.request.choices
         model = admitted.request.model
         self._authority: answer.Authority = model.usage_authority
         self._tolerance = model.usage_tolerance
         self._wants_usage = admitted.request.client_wants_usage
-        self.leased = admitted.output_reserved  # output tokens covered so far
-        # Delivered tokens at which the next background lease is due (None: never).
-        self._lease_due = lease_due_at(self.leased, self.batch, self.max_output)
+        self._init_lease(admitted)
         self.delivered = 0  # output tokens in events forwarded to the client
-        self.seq = 0  # lease batch sequence number (idempotency with the request id)
-        self.lease_task: asyncio.Task[None] | None = None
-        self.exhausted = False
-        self.refusals = 0  # leases refused while others held reservations (asked again)
-        # The configuration it was admitted under (a reload may have come since).
-        self._refusal_retries = refund_retries(admitted.refund_wait_s)
-        self.retry_due = False  # the last lease was such a refusal: wait, then ask again
-        self.exhausted_code = "tpm_limit_exceeded"
-        self.exhausted_what = "tokens per minute"  # the limit that cut, for the message
         self.started = False  # response headers seen: the watchdog applies from here
         self.finished = False  # we ended the client's stream (cut-off or timeout)
         self.completed = False  # the upstream ended its stream normally
@@ -120,9 +104,7 @@ class ResponseMeter:
         # or its running count): it settles the request from here on, whatever the client
         # does next (``answer.billed``).
         self.final_usage: answer.Usage | None = None
-        # Cached prompt tokens of the upstream usage the bill was taken from (cost limits).
-        self.cached_input = 0
-        self.settled = False
+        self._init_settlement()
         self._decoder: Decoder | None = None
         self._sse = SseReassembler()
         self._json: JsonBodyCollector | None = None
@@ -403,111 +385,6 @@ class ResponseMeter:
             return 0 if self._wants_usage else _WITHHELD
         return cost
 
-    # -- leases ----------------------------------------------------------------------------
-
-    def _lease_ahead(self) -> None:
-        """Reserve in the background what ``extproc.admission.lease.next_lease`` says is due.
-
-        One batch in hand before the first token (admission's share topped up on the first
-        event), the next batch once the current one is half used: at most one batch ahead,
-        one lease per batch of output. Partial grants keep a nearly spent budget usable to
-        the last token; after one, ``_cover`` leases only when an event needs the tokens.
-        """
-        due = self._lease_due  # where next_lease turns positive: one compare per event
-        if due is None or self.delivered < due:
-            return
-        if self.lease_task is None and not self.exhausted and not self.refusals:
-            amount = next_lease(self.leased, self.delivered, self.batch, self.max_output)
-            if amount > 0:
-                amount = fair_share(amount, self._room_left())
-                self.lease_task = asyncio.get_running_loop().create_task(self._lease(amount, 1))
-
-    async def _cover(self, need: int) -> None:
-        while need > self.leased and not self.exhausted:
-            if self.lease_task is not None:
-                await asyncio.shield(self.lease_task)
-                continue
-            if self.retry_due:
-                # Refused while other requests of the tenant hold reservations: what they
-                # don't use comes back when they settle, so ask again shortly.
-                await asyncio.sleep(REFUND_RETRY_S)
-            amount = cover_lease(self.leased, need, self.batch, self.max_output)
-            amount = max(need - self.leased, fair_share(amount, self._room_left()))
-            self.lease_task = asyncio.get_running_loop().create_task(self._lease(amount, 1))
-
-    def _room_left(self) -> int | None:
-        """Tokens the tightest token counter had left at this request's last charge."""
-        enforced = self.admitted.enforced_token_kinds
-        rooms = [s.remaining for s in self.states if s.kind in enforced]
-        return min(rooms) if rooms else None
-
-    async def _lease(self, amount: int, minimum: int) -> None:
-        self.seq += 1
-        metrics = self.metrics
-        metrics.quota_round_trips_total += 1
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        span = None
-        if self.trace is not None:
-            span = self.trace.child("extproc.lease", **{"extproc.seq": self.seq})
-            span.set_attribute("extproc.amount", amount)
-        try:
-            grant = await self.backend.reserve(
-                self.admitted.reservation_key,
-                self.seq,
-                self.admitted.policy.token_counters,
-                amount,
-                minimum,
-            )
-        except Exception as exc:  # fail closed: no tokens without a charge
-            log.error("lease_failed", request_id=self._rid, error=repr(exc))
-            # The backend failed, not the budget: the client is told so, not "limit reached".
-            self.exhausted_code = "quota_unavailable"
-            metrics.backend_errors["reserve"] += 1
-            metrics.lease_batches[(*self._labels, "failed")] += 1
-            if span is not None:
-                fail(span, exc)
-                span.end()
-            self.exhausted = True
-            self.lease_task = None
-            return
-        finally:
-            metrics.observe("backend", ("reserve",), loop.time() - started)
-        if grant.replayed:
-            metrics.replays["reserve"] += 1
-        if span is not None:
-            span.set_attribute("extproc.granted", grant.granted)
-            span.end()
-        self.retry_due = False
-        if grant.granted > 0:
-            metrics.lease_batches[(*self._labels, "granted")] += 1
-            metrics.tokens_reserved[self._labels] += grant.granted
-            self.leased += grant.granted
-            self._lease_due = lease_due_at(self.leased, self.batch, self.max_output)
-            self.states = grant.states or self.states
-            for shadow in grant.shadow_cut_by:
-                # Granted all the same: a shadow limit only reports the cut it would make.
-                kind = limit_kind(shadow)
-                metrics.shadow_violations[(*self._labels, kind, "cut")] += 1
-                log.warning("shadow_limit_would_cut", request_id=self._rid, kind=kind)
-        elif grant.others_open > 0 and self.refusals < self._refusal_retries:
-            # A budget full of others' unused leases is not used up: ask again for up to
-            # refund_wait_ms; refused with nobody else open, the stream is cut at once.
-            self.refusals += 1
-            self.retry_due = True
-            metrics.lease_batches[(*self._labels, "deferred")] += 1
-        else:
-            self.exhausted = True
-            metrics.lease_batches[(*self._labels, "refused")] += 1
-            enforced = self.admitted.policy.enforced(grant.states)
-            if enforced:
-                tightest = min(enforced, key=lambda s: s.remaining / max(1, s.limit))
-                counters = self.admitted.policy.token_counters
-                counter = next((c for c in counters if c.kind == tightest.kind), None)
-                if counter is not None:
-                    self.exhausted_code, self.exhausted_what = describe_limit(counter)
-        self.lease_task = None
-
     # -- ending ----------------------------------------------------------------------------
 
     def _closing_bytes(self, code: str) -> bytes:
@@ -533,147 +410,3 @@ class ResponseMeter:
     def _complete(self) -> None:
         self.completed = True
         self.spawn(self.settle("completed"))
-
-    # -- settlement ------------------------------------------------------------------------
-
-    def billed(self) -> tuple[int, int]:
-        """``(prompt, output)`` committed at settlement (docs/billing.md).
-
-        Never the prompt alone for a readable answer that may hold output: what can't be
-        read keeps the reservation (or ``max_tokens`` where only that bounds the output),
-        unless the upstream answered an error (an error body holds no output).
-        """
-        prompt = self.admitted.prompt_tokens
-        if self.mode == "unreadable":
-            return prompt, 0 if self.upstream_failed else max(self.leased, self.delivered)
-        if self.mode == "json":
-            return self._json_used(prompt)
-        usage = self.final_usage
-        if usage is not None:
-            if self._disagrees(usage[1]):
-                self.metrics.usage_disagreements_total += 1
-                log.warning(
-                    "usage_disagreement",
-                    request_id=self._rid,
-                    upstream=usage[1],
-                    counted=self.delivered,
-                )
-            self.cached_input = usage[2]
-        return answer.billed(prompt, self.delivered, usage, self._authority, self._tolerance)
-
-    def _json_used(self, prompt: int) -> tuple[int, int]:
-        body = self._json.body() if self._json is not None and self.completed else None
-        count = None if body is None else answer.read_answer(body, self.admitted.tokenizer)
-        if count is None:
-            # Cut short, unreadable or over the size limit: only max_tokens bounds it.
-            return prompt, 0 if self.upstream_failed else self.max_output
-        if count.error:
-            self.upstream_failed = True
-        usage = count.usage
-        self.cached_input = usage[2] if usage is not None else 0
-        return answer.billed(prompt, count.total, usage, self._authority, self._tolerance)
-
-    def _disagrees(self, upstream: int) -> bool:
-        # An upstream-authority model's tokenizer differs by design: up to its tolerance.
-        tolerance = USAGE_TOLERANCE if self._authority == "meter" else self._tolerance
-        return abs(upstream - self.delivered) > max(2, tolerance * max(upstream, self.delivered))
-
-    def _safe_bill(self) -> tuple[int, int]:
-        """``billed``, or, should reading the answer fail (a bug), the reservation: the
-        request is settled once whatever happened, never left open or billed nothing."""
-        try:
-            return self.billed()
-        except Exception as exc:
-            self.metrics.billing_errors_total += 1
-            log.error("billing_failed", request_id=self._rid, error=repr(exc), exc_info=True)
-            return self.admitted.prompt_tokens, max(self.leased, self.delivered)
-
-    async def settle(self, reason: str) -> None:
-        if self.settled:
-            return
-        self.settled = True
-        if self.lease_task is not None:
-            await asyncio.gather(self.lease_task, return_exceptions=True)
-        counters = self.admitted.policy.token_counters
-        metrics = self.metrics
-        labels = self._labels
-        metered = self.admitted.policy.metered
-        # RPM-only requests are settled too (no counter changes): the ledger records them.
-        prompt, output = self._safe_bill() if metered else (0, 0)
-        ledger_reason = self._ledger_reason(reason)  # after the bill: it reads the answer
-        metrics.settled[(*labels, ledger_reason)] += 1
-        if not metered:
-            return  # nothing was admitted in the backend: no record to settle
-        used = prompt + output
-        span = None
-        if self.trace is not None:
-            self.trace.span.set_attributes(
-                {"gen_ai.usage.input_tokens": prompt, "gen_ai.usage.output_tokens": output}
-            )
-            span = self.trace.child("extproc.settle", **{"extproc.reason": ledger_reason})
-            span.set_attribute("extproc.used", used)
-        metrics.tokens[(*labels, "prompt")] += prompt
-        metrics.tokens[(*labels, "output")] += output
-        metrics.quota_round_trips_total += 1
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        try:
-            # A Redis backend (wrapped by the factory in ``ResilientQuotaBackend``) keeps
-            # what it cannot apply now in its queue and applies it when Redis returns, so
-            # the settlement is not retried here; memory:// cannot fail.
-            settlement = await self.backend.settle(
-                self.admitted.reservation_key,
-                counters,
-                used,
-                reason=ledger_reason,
-                output_tokens=output,
-                cached_tokens=self.cached_input,
-            )
-        except Exception as exc:
-            metrics.settle_errors_total += 1
-            metrics.backend_errors["settle"] += 1
-            log.error(
-                "settle_failed", request_id=self._rid, used=used, reason=reason, error=repr(exc)
-            )
-            if span is not None:
-                fail(span, exc)
-                span.end()
-            return
-        finally:
-            metrics.observe("backend", ("settle",), loop.time() - started)
-        if settlement.already_settled:
-            metrics.replays["settle"] += 1
-        metrics.tokens_refunded[labels] += settlement.refunded
-        if span is not None:
-            span.set_attributes(
-                {
-                    "extproc.reserved": settlement.reserved,
-                    "extproc.refunded": settlement.refunded,
-                    "extproc.already_settled": settlement.already_settled,
-                    "extproc.queued": settlement.queued,
-                }
-            )
-            span.end()
-
-    def _ledger_reason(self, reason: str) -> SettleReason:
-        """The meter's (and the gRPC stream's) end reasons as the usage ledger names them."""
-        failed = self.upstream_failed or self._output.error or self.mode == "unreadable"
-        if failed or reason == "protocol_error":
-            return "upstream_error"
-        if self.mode == "done":
-            return "completed"  # [DONE] went out: whatever ended the stream came after it
-        return _LEDGER_REASONS.get(reason, "disconnect")
-
-    @property
-    def _rid(self) -> str:
-        return self.admitted.reservation_key
-
-
-# Anything else ends the gRPC stream before the answer did (``end_of_stream``,
-# ``cancelled``, ``error``): the client went away.
-_LEDGER_REASONS: dict[str, SettleReason] = {
-    "completed": "completed",
-    "cutoff": "cutoff",
-    "idle_timeout": "timeout",
-    "shutdown": "shutdown",
-}

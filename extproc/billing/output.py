@@ -47,23 +47,22 @@ def usage_counts(usage: Any) -> Usage | None:
     if not isinstance(usage, dict):
         return None
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    for value in (prompt, completion):
-        if type(value) is not int or value < 0:
-            return None
+    if type(prompt) is not int or prompt < 0 or type(completion) is not int or completion < 0:
+        return None
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if type(cached) is not int or not 0 <= cached <= prompt:  # type: ignore[operator]
+    if type(cached) is not int or not 0 <= cached <= prompt:
         cached = 0
-    return prompt, completion, cached  # type: ignore[return-value]
+    return prompt, completion, cached
 
 
-def _key(value: Any) -> Hashable:
+def _key(value: object) -> Hashable:
     """A choice or tool-call index as a dict key (a client groups by its value)."""
     try:
         hash(value)
     except TypeError:
         return repr(value)
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def pieces(choice: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:
@@ -244,7 +243,7 @@ class OutputCount:
         if choices is not None:
             running = usage.get("completion_tokens")
             if type(running) is int and running > 0:
-                key = _SHARED
+                key: Hashable = _SHARED
                 if len(choices) == 1 and type(choices[0]) is dict:
                     key = _key(choices[0].get("index", 0))
                 before = self._running.get(key, 0)
@@ -276,5 +275,9 @@ class OutputCount:
 
     def choice_indices(self) -> list[int]:
         """The integer indices of the choices that carried output, in order."""
-        found = {k if type(k) is int else k[0] for k in self._counters if type(k) in (int, tuple)}
-        return sorted(i for i in found if type(i) is int)
+        found: set[int] = set()
+        for key in self._counters:  # an index, or (index, *field)
+            index = key[0] if type(key) is tuple else key
+            if type(index) is int:
+                found.add(index)
+        return sorted(found)

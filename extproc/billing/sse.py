@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -91,19 +92,23 @@ class SseEvent:
         _set_terminated(self, terminated)
 
 
-_set_raw = SseEvent.raw.__set__  # type: ignore[attr-defined]
-_set_data = SseEvent.data.__set__  # type: ignore[attr-defined]
-_set_event = SseEvent.event.__set__  # type: ignore[attr-defined]
-_set_id = SseEvent.id.__set__  # type: ignore[attr-defined]
-_set_terminated = SseEvent.terminated.__set__  # type: ignore[attr-defined]
+# The slots' member descriptors, read from the class's namespace (the checker sees the
+# fields' types there, not the descriptors).
+_slots = vars(SseEvent)
+_set_raw: Callable[[SseEvent, bytes], None] = _slots["raw"].__set__
+_set_data: Callable[[SseEvent, str | None], None] = _slots["data"].__set__
+_set_event: Callable[[SseEvent, str | None], None] = _slots["event"].__set__
+_set_id: Callable[[SseEvent, str | None], None] = _slots["id"].__set__
+_set_terminated: Callable[[SseEvent, bool], None] = _slots["terminated"].__set__
+del _slots
 
 
 def _parse_event(raw: bytes, content: bytes, terminated: bool = True) -> SseEvent:
     """Build an event from ``content``: its lines without the final line ending."""
     # The shape LLM servers send: a single `data:` line.
     if content.startswith(b"data:") and b"\n" not in content and b"\r" not in content:
-        value = content[6:] if content[5:6] == b" " else content[5:]
-        return SseEvent(raw, value.decode("utf-8", "replace"), None, None, terminated)
+        payload = content[6:] if content[5:6] == b" " else content[5:]
+        return SseEvent(raw, payload.decode("utf-8", "replace"), None, None, terminated)
     # Decoding the whole block at once equals decoding line by line: invalid UTF-8 never
     # swallows an ASCII byte, so no CR or LF is lost or created by the replacement.
     text = content.decode("utf-8", "replace")

@@ -30,6 +30,7 @@ from extproc.config.schema import (
     Period,
     PlanSpec,
     TenantSpec,
+    UsageAuthority,
 )
 from extproc.quota.base import LedgerSettings
 from extproc.quota.redis.topology import parse_redis_url, seeds_to_url
@@ -289,10 +290,10 @@ def _plan(
         tenant_rules=_ordered(tenant_rules),
         charge_mode=check.choice(
             *pick("charge_mode", "incremental"), ("incremental", "reserve_max")
-        ),  # type: ignore[arg-type]
+        ),
         batch_tokens=check.integer(*pick("batch_tokens", 32)),
-        on_exhaustion=check.choice(*pick("on_exhaustion", "error"), ("error", "truncate")),  # type: ignore[arg-type]
-        on_backend_failure=check.choice(*pick("on_backend_failure", "closed"), ("closed", "open")),  # type: ignore[arg-type]
+        on_exhaustion=check.choice(*pick("on_exhaustion", "error"), ("error", "truncate")),
+        on_backend_failure=check.choice(*pick("on_backend_failure", "closed"), ("closed", "open")),
         fail_open_fraction=check.fraction(*pick("fail_open_fraction", 0.1)),
     )
 
@@ -346,7 +347,7 @@ def _usage_policy(spec: ModelSpec, doc: dict[str, Any], path: str, rules: Any) -
         _tokenizer_of(n, DEFAULT_RULES) == counted
         for n in (spec.name, *spec.aliases, spec.served_name)
     )
-    authority = check.choice(
+    authority: UsageAuthority = check.choice(
         doc.get("usage_authority", "meter" if own else "upstream"),
         f"{path}.usage_authority",
         ("meter", "upstream"),
@@ -360,7 +361,7 @@ def _usage_policy(spec: ModelSpec, doc: dict[str, Any], path: str, rules: Any) -
         )
     return replace(
         spec,
-        usage_authority=authority,  # type: ignore[arg-type]  # one of _choice's choices
+        usage_authority=authority,
         usage_tolerance=float(tolerance),
     )
 
@@ -579,7 +580,7 @@ def parse_config(doc: Any, base_dir: Path | None = None) -> Config:
         max_body_bytes=check.integer(doc.get("max_body_bytes", 1 << 20), "max_body_bytes"),
         rpm_counts=check.choice(
             doc.get("rpm_counts", "attempts"), "rpm_counts", ("attempts", "admitted")
-        ),  # type: ignore[arg-type]
+        ),
         # A 4096-token answer (the default max_tokens limit) at a loaded server's 15-30
         # tokens/s takes 2.5-4.5 minutes: five minutes lets nearly every stream finish.
         shutdown_grace_s=check.number(doc.get("shutdown_grace_s", 300), "shutdown_grace_s"),

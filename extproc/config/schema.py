@@ -7,7 +7,7 @@ model, aliases flattened), so a request never walks the YAML tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from extproc.quota.base import LedgerSettings, Period, WindowKind, WindowSpec
 
@@ -184,7 +184,7 @@ class Config:
     # Every model name and alias -> its quota model, built once by the loader.
     model_index: dict[str, ModelSpec] = field(repr=False, default_factory=dict)
     # Normalised document and its sha256: logged at start so diverging replicas show.
-    normalised: dict = field(repr=False, compare=False, default_factory=dict)
+    normalised: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
     hash: str = ""
 
     def resolve_model(self, requested: str) -> ModelSpec | None:

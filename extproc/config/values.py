@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from extproc.config.schema import ConfigError
+
+_Choice = TypeVar("_Choice", bound=str)
 
 
 def mapping(value: Any, path: str) -> dict[str, Any]:
@@ -93,10 +95,11 @@ def seconds(value: Any, path: str, low: float, high: float) -> float:
     return float(value)
 
 
-def choice(value: Any, path: str, choices: tuple[str, ...]) -> str:
+def choice(value: object, path: str, choices: tuple[_Choice, ...]) -> _Choice:
+    """``value``, one of ``choices``, typed as them (a ``Literal`` where the caller wants one)."""
     if value not in choices:
         raise ConfigError(path, f"must be one of {', '.join(choices)}, got {value!r}")
-    return value
+    return choices[choices.index(value)]  # the equal choice: value typed as the choices
 
 
 def string(value: Any, path: str) -> str:

@@ -16,6 +16,8 @@ from extproc.admission.errors import ApiError
 
 ProcessingRequest = pb.ProcessingRequest
 ProcessingResponse = pb.ProcessingResponse
+HttpHeaders = pb.HttpHeaders
+HttpBody = pb.HttpBody
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -83,6 +85,10 @@ def stream_response_body(body: bytes, end_of_stream: bool) -> pb.ProcessingRespo
     streamed.body = body
     streamed.end_of_stream = end_of_stream
     return response
+
+
+def continue_request_trailers() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
 
 
 def continue_response_trailers() -> pb.ProcessingResponse:

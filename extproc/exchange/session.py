@@ -192,11 +192,11 @@ class Session:
             # Trailers are answered by the caller; what the meter still held goes first.
             return msg.continue_response_trailers()
         if kind == "request_trailers":
-            return msg.ProcessingResponse(request_trailers=msg.pb.TrailersResponse())
+            return msg.continue_request_trailers()
         log.warning("unexpected_message", kind=kind)
         return None
 
-    def _on_request_headers(self, http: msg.pb.HttpHeaders) -> msg.ProcessingResponse:
+    def _on_request_headers(self, http: msg.HttpHeaders) -> msg.ProcessingResponse:
         headers = msg.header_map(http)
         self.path = headers.get(":path", "").split("?", 1)[0]
         self.client_request_id = headers.get("x-request-id", "")[:MAX_CLIENT_ID]
@@ -231,7 +231,7 @@ class Session:
             )
         )
 
-    async def _on_request_body(self, http: msg.pb.HttpBody) -> msg.ProcessingResponse:
+    async def _on_request_body(self, http: msg.HttpBody) -> msg.ProcessingResponse:
         endpoint = METERED_PATHS.get(self.path)
         if self.tenant is None or endpoint is None:
             return msg.continue_request_body()
@@ -288,7 +288,7 @@ class Session:
         if error.type != "rate_limit_error":
             self.metrics.rejected[error.code or error.type] += 1
 
-    def _on_response_headers(self, http: msg.pb.HttpHeaders) -> msg.ProcessingResponse:
+    def _on_response_headers(self, http: msg.HttpHeaders) -> msg.ProcessingResponse:
         headers = msg.header_map(http)
         try:
             self.upstream_status = int(headers.get(":status", "0"))

@@ -215,7 +215,7 @@ class Counter:
     fail_open_limit: int | None = None
     shape: Shape = "fixed"
     bucket_s: int = 1  # sliding
-    period: str = ""  # calendar: day | week | month
+    period: Period | Literal[""] = ""  # calendar: day | week | month
     timezone: str = "UTC"  # calendar
     weights: tuple[int, int, int] = (1, 1, 1)
     shadow: bool = False

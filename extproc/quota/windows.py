@@ -61,7 +61,10 @@ def bounds(counter: Counter, now_s: int) -> tuple[int, int]:
         return start, start + counter.window_s
     if counter.shape == "sliding":
         return counter.window_s, counter.bucket_s
-    return calendar_bounds(counter.period, counter.timezone, now_s)
+    period = counter.period
+    if not period:  # the policy gives every calendar counter its period
+        raise ValueError(f"calendar counter {counter.key!r} has no period")
+    return calendar_bounds(period, counter.timezone, now_s)
 
 
 def script_window(counter: Counter, now_s: int) -> tuple[str, str, int, int]:

@@ -166,7 +166,8 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str) -> list[int]:
         # SentencePiece refuses lone surrogates with a RuntimeError; clean them first.
-        return self.processor.encode(clean_text(text))
+        ids: list[int] = self.processor.encode(clean_text(text))  # out_type int: ids
+        return ids
 
     def count(self, text: str) -> int:
         return len(self.encode(text))
@@ -188,7 +189,8 @@ class SentencePieceTokenizer:
         return memoryview(ids).nbytes // 4  # int32 ids
 
     def decode(self, ids: list[int]) -> str:
-        return self.processor.decode(ids)
+        text: str = self.processor.decode(ids)  # ids in, text out (untyped overloads)
+        return text
 
 
 def _sentencepiece_buffer_encoder(processor: Any) -> Callable[[str], Any] | None:

@@ -40,7 +40,8 @@ from typing import Final
 
 import regex
 
-from extproc.tokens.estimator import millitokens_to_count, raw_millitokens
+from extproc.tokens.encodings import TiktokenTokenizer
+from extproc.tokens.estimator import TokenEstimator, millitokens_to_count, raw_millitokens
 from extproc.tokens.model_tokenizer import DELTA_CACHE_LIMIT, ModelTokenizer
 from extproc.tokens.pieces import NOTHING, piece_starters_after
 from extproc.tokens.text import clean_text
@@ -90,6 +91,8 @@ class _BpeCounter(IncrementalCounter):
     def __init__(self, tok: ModelTokenizer) -> None:
         super().__init__(tok)
         backend = tok.backend
+        if not isinstance(backend, TiktokenTokenizer):  # picked by kind: "tiktoken"
+            raise TypeError(f"{tok.name}: BPE counting needs a tiktoken encoding")
         self._count = backend.count
         self._split = _piece_splitter(backend.encoding._pat_str)
         self._known = tok.piece_deltas
@@ -131,6 +134,7 @@ class _BpeCounter(IncrementalCounter):
         # Short tails repeat too (" wor" + "d" when text arrives a character at a time):
         # the memo answers those as well, since an entry depends on the text alone.
         known = self._known.get(buf) if len(buf) <= CACHED_DELTA_CHARS else None
+        starters: frozenset[str] | None
         if known is not None:
             n, starters = known
         else:
@@ -247,7 +251,10 @@ class _SentencePieceCounter(IncrementalCounter):
 class _EstimatorCounter(IncrementalCounter):
     def __init__(self, tok: ModelTokenizer) -> None:
         super().__init__(tok)
-        self._safety_factor = tok.backend.safety_factor
+        backend = tok.backend
+        if not isinstance(backend, TokenEstimator):  # picked by kind: "estimator"
+            raise TypeError(f"{tok.name}: estimated counting needs the estimator")
+        self._safety_factor = backend.safety_factor
         # Shared memo of raw_millitokens(last_char + delta) for short deltas.
         self._cache = tok.delta_counts
         self._cached_count = tok.cached_delta_count

@@ -38,10 +38,12 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from extproc.tokens.model_tokenizer import ModelTokenizer
 from extproc.tokens.prompt import DEFAULT_IMAGE_TOKENS, PromptTexts, Walk, prompt_texts
+
+_T = TypeVar("_T")
 
 OFFLOAD_MIN_CHARS: Final[dict[str, int]] = {"tiktoken": 32 * 1024, "sentencepiece": 2 * 1024}
 ESTIMATOR_STEP_CHARS: Final = 8 * 1024  # ~0.6 ms of estimating mixed-script text
@@ -68,14 +70,15 @@ def _guarded(count: Callable[[], int]) -> int:
         raise CountFailed(f"{type(exc).__name__}: {exc}") from exc
 
 
-async def run_yielding(walk: Walk[Any]) -> Any:
+async def run_yielding(walk: Walk[_T]) -> _T:
     """Run a walk (generator) to its end, letting the event loop run at each pause."""
     try:
         while True:
             next(walk)
             await asyncio.sleep(0)
     except StopIteration as done:
-        return done.value
+        result: _T = done.value  # what the generator returned
+        return result
 
 
 class PromptCounter:

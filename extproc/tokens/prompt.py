@@ -116,6 +116,9 @@ ATTACHMENT_PARTS: Final = frozenset({"image_url", "input_audio", "file"})
 PART_TYPES: Final = "text, image_url, input_audio, file, refusal"
 
 
+_JSON_TYPE_NAMES: Final[dict[type, str]] = {str: "string", list: "array", dict: "object"}
+
+
 def _type_name(value: object) -> str:
     if value is None:
         return "null"
@@ -123,7 +126,7 @@ def _type_name(value: object) -> str:
         return "boolean"
     if isinstance(value, (int, float)):
         return "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+    return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
 
 
 def _require_str(value: object, where: str) -> str:
@@ -170,7 +173,8 @@ def run_through(walk: Walk[_T]) -> _T:
         while True:
             next(walk)
     except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
+        result: _T = done.value  # what the generator returned
+        return result
 
 
 def prompt_texts(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -15,6 +15,11 @@ from extproc.exchange import messages as msg
 from extproc.exchange.session import Session
 from extproc.metrics import Metrics
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    _Context: TypeAlias = grpc.aio.ServicerContext[msg.ProcessingRequest, msg.ProcessingResponse]
+
 log = structlog.get_logger("extproc.service")
 
 
@@ -23,7 +28,7 @@ class _Stream:
 
     __slots__ = ("context", "ended", "writing")
 
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, context: _Context) -> None:
         self.context = context
         # The watchdog writes too: one writer at a time, and nothing after the stream ended.
         self.writing = asyncio.Lock()
@@ -47,7 +52,8 @@ class _Stream:
             return True
 
 
-class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
+# The generated servicer is untyped (xds-protos ships no stubs): its base is Any.
+class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(
         self,
         new_session: Callable[[], Session],
@@ -63,7 +69,7 @@ class ExternalProcessorService(pb_grpc.ExternalProcessorServicer):
         self._all_closed = asyncio.Event()
         self._all_closed.set()
 
-    async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+    async def Process(self, request_iterator: object, context: _Context) -> None:
         session = self.new_session()
         watchdog: asyncio.Task[None] | None = None
         stream = self.streams[session] = _Stream(context)

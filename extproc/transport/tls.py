@@ -95,6 +95,7 @@ class RotatingCredentials:
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(
             self._configuration(self._current),
-            self.fetch,
+            # grpc documents None as "no change"; typeshed's stub omits it.
+            self.fetch,  # type: ignore[arg-type]
             require_client_authentication=self.tls.require_client_cert,
         )

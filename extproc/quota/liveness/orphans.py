@@ -83,7 +83,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import structlog
 from redis.exceptions import NoScriptError, RedisError
@@ -92,9 +92,15 @@ from extproc.quota import keys
 from extproc.quota.base import RECORD_TTL_S, QuotaUnavailable, Settlement
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
     import redis.asyncio as aioredis
+    from redis.asyncio.cluster import RedisCluster
 
     from extproc.metrics import Metrics
+
+    # The Redis backend's redis-py client: a (Sentinel-managed) master, or a cluster.
+    RedisClient: TypeAlias = aioredis.Redis | RedisCluster
 
 log = structlog.get_logger("extproc.orphans")
 
@@ -133,7 +139,7 @@ class LuaScript:
     every master, so one master down would stop the heartbeat of the others' slot too.
     """
 
-    def __init__(self, client: aioredis.Redis, script: str) -> None:
+    def __init__(self, client: RedisClient, script: str) -> None:
         self.client = client
         self.script = script
         self.sha = hashlib.sha1(script.encode()).hexdigest()
@@ -223,7 +229,7 @@ class OrphanBackend(Protocol):
     registrations: Registrations | None
 
     @property
-    def client(self) -> aioredis.Redis: ...
+    def client(self) -> RedisClient: ...
 
     @property
     def command_timeout_s(self) -> float | None: ...
@@ -241,7 +247,8 @@ def find_orphan_backend(backend: Any) -> OrphanBackend | None:
     seen: set[int] = set()
     while backend is not None and id(backend) not in seen:
         if hasattr(backend, "settle_orphan") and hasattr(backend, "registrations"):
-            return backend  # type: ignore[no-any-return]
+            found: OrphanBackend = backend  # duck-typed: the two members that tell it apart
+            return found
         seen.add(id(backend))
         backend = next(
             (getattr(backend, a) for a in _WRAPPED if getattr(backend, a, None) is not None),
@@ -370,7 +377,9 @@ class Liveness:
         """
         if not self.may_sweep:
             return 0
-        ids = sorted(set(await self._client.smembers(self._procs)) - {self.processor_id})
+        # The backend's client decodes replies (``decode_responses``): members are str.
+        procs = cast("set[str]", await self._client.smembers(self._procs))
+        ids = sorted(procs - {self.processor_id})
         if not ids:
             return 0
         pipe = self._client.pipeline(transaction=False)
@@ -400,11 +409,12 @@ class Liveness:
                 status, _ = await self.backend.settle_orphan(key, pid)
                 return status
 
-        for open_set in sorted(await self._client.smembers(index)):
+        for open_set in sorted(cast("set[str]", await self._client.smembers(index))):
             try:
                 while taken < budget:
-                    members = await self._client.srandmember(
-                        open_set, min(SWEEP_BATCH, budget - taken)
+                    members = cast(
+                        "list[str]",
+                        await self._client.srandmember(open_set, min(SWEEP_BATCH, budget - taken)),
                     )
                     if not members:
                         emptied.append(open_set)  # dropped by forget.lua, if still dead

@@ -47,7 +47,7 @@ import socket
 import time
 from collections.abc import Awaitable
 from importlib import resources
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -84,6 +84,9 @@ from extproc.quota.keys import (
 )
 from extproc.quota.liveness.orphans import Registrations
 from extproc.quota.redis.resp import RespConnection, Script, ScriptRunner
+
+if TYPE_CHECKING:
+    from extproc.quota.liveness.orphans import RedisClient
 
 T = TypeVar("T")
 # What ``settle_orphan`` found: settled now, settled before (by its owner or a peer), no
@@ -224,7 +227,7 @@ class RedisQuotaBackend:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         scripts: ScriptRunner,
         command_timeout_s: float | None = None,
         *,
@@ -337,7 +340,7 @@ class RedisQuotaBackend:
     def script_source(self, name: str) -> str:
         """A script's text with this backend's constants prepended: what every call would
         otherwise pack as arguments (a server-side constant costs nothing per call)."""
-        constants = {"MARGIN": windows.EXPIRY_MARGIN_S}
+        constants: dict[str, int | str] = {"MARGIN": windows.EXPIRY_MARGIN_S}
         if name == "settle.lua":
             constants |= {
                 "SETTLED_TTL": self.settled_ttl_s,
@@ -354,7 +357,7 @@ class RedisQuotaBackend:
         return self._command_timeout_s
 
     @property
-    def client(self) -> aioredis.Redis:
+    def client(self) -> RedisClient:
         """The client the scripts run on (the orphan reconciler's own calls share it)."""
         return self._client
 

@@ -31,7 +31,7 @@ import hashlib
 import ssl
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import hiredis
 from redis.asyncio.connection import parse_url
@@ -143,7 +143,8 @@ class _Protocol(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # ``create_connection`` hands its protocol a stream transport (TCP, TLS or unix).
+        self.transport = cast(asyncio.Transport, transport)
 
     def send(self, payload: bytes, future: asyncio.Future[Any]) -> None:
         assert self.transport is not None
@@ -280,7 +281,9 @@ class RespConnection:
         context = None
         if url.startswith("rediss://"):
             # The URL's ?ssl_ca_certs= as redis-py's pool reads it (a private CA).
-            context = ssl.create_default_context(cafile=ssl_ca_certs or parts.get("ssl_ca_certs"))
+            url_ca = parts.get("ssl_ca_certs")  # a query argument: a str when given
+            cafile = ssl_ca_certs or (url_ca if isinstance(url_ca, str) else None)
+            context = ssl.create_default_context(cafile=cafile)
             reqs = str(ssl_cert_reqs or parts.get("ssl_cert_reqs") or "required").lower()
             context.check_hostname = (
                 ssl_check_hostname if ssl_check_hostname is not None else reqs == "required"
@@ -346,7 +349,8 @@ class RespConnection:
         return ""
 
     async def probe(self, shard: str) -> bool:
-        return await self.execute("PING") == "PONG"
+        reply: object = await self.execute("PING")
+        return reply == "PONG"
 
     async def run_script(self, script: Script, keys: list[Any], args: list[Any]) -> Any:
         try:

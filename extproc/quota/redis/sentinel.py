@@ -99,7 +99,8 @@ class SentinelConnection:
 
     async def probe(self, shard: str) -> bool:
         try:
-            return await self.execute("PING") == "PONG"
+            reply: object = await self.execute("PING")
+            return reply == "PONG"
         except (RedisError, OSError):
             return False
 

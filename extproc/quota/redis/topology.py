@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, cast
 from urllib.parse import parse_qsl, unquote
 
 import redis.asyncio as aioredis
@@ -264,7 +264,7 @@ def build_client(
         sentinel_kwargs["ssl"] = True
     sentinel = Sentinel(list(topology.nodes), sentinel_kwargs=sentinel_kwargs)
     assert topology.service is not None
-    return sentinel.master_for(
+    master: aioredis.Redis = sentinel.master_for(
         topology.service,
         redis_class=aioredis.Redis,
         db=topology.db,
@@ -275,6 +275,7 @@ def build_client(
         ssl=ssl,
         **common,
     )
+    return master
 
 
 def _url(topology: Topology, host: str, port: int, db: int = 0) -> str:
@@ -332,12 +333,24 @@ def build_scripts(
 def _follow_master(client: aioredis.Redis) -> Callable[[Address | None], Awaitable[None]]:
     """redis-py's Sentinel pool drops its connections when the master changes or a failover
     is fenced (the reconciler's calls then ask the sentinels again, as redis-py does)."""
-    pool: SentinelConnectionPool = client.connection_pool  # type: ignore[assignment]
+    # ``master_for`` gives its client a Sentinel pool; redis-py types it as the base pool.
+    pool = cast(SentinelConnectionPool, client.connection_pool)
 
     async def changed(address: Address | None) -> None:
         await pool.disconnect(inuse_connections=True)
 
     return changed
+
+
+class _Credentials(TypedDict):
+    password: str | None
+    username: str | None
+
+
+class _Timeouts(TypedDict):
+    socket_timeout_s: float | None
+    connect_timeout_s: float
+    command_timeout_s: float | None
 
 
 def backend_for(
@@ -361,12 +374,12 @@ def backend_for(
     client (``build_client``; ``max_connections`` bounds its pools, ``pool_timeout_s`` is
     unused) serves the calls off the hot path."""
     del pool_timeout_s
-    credentials = {"password": password, "username": username}
-    timeouts = {
-        "socket_timeout_s": socket_timeout_s,
-        "connect_timeout_s": connect_timeout_s,
-        "command_timeout_s": command_timeout_s,
-    }
+    credentials = _Credentials(password=password, username=username)
+    timeouts = _Timeouts(
+        socket_timeout_s=socket_timeout_s,
+        connect_timeout_s=connect_timeout_s,
+        command_timeout_s=command_timeout_s,
+    )
     client = build_client(
         topology, max_connections=max_connections, **credentials, **timeouts,
         **connection_options,
@@ -384,7 +397,7 @@ def backend_for(
         **connection_options,
     )
     return RedisQuotaBackend(
-        client,  # type: ignore[arg-type]  # RedisCluster has the Redis commands it uses
+        client,
         scripts,
         command_timeout_s=command_timeout_s,
         owner_id=owner_id,
