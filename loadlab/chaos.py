@@ -327,6 +327,9 @@ async def _drain(s: ChaosScenario, watcher: Watcher) -> dict[str, Any]:
 async def _run(
     s: ChaosScenario, parts: ChaosParts, live: Live, tamper: str | None
 ) -> dict[str, Any]:
+    # Loaded now, not by the first stream's end: loading blocks the loop for seconds on a
+    # busy machine, and the watcher on it would miss windows' final values.
+    await asyncio.to_thread(_o200k)
     before = {pid: u for pid in parts.processor_pids() if (u := usage(pid)) is not None}
     watcher = Watcher(parts.redis_url, cluster_ports=parts.cluster_ports())
     watcher.start()
@@ -697,6 +700,7 @@ def main(argv: Sequence[str]) -> int:
         failovers=failover_errors(parts, records, origin),
         redis_restarts=len(w.epochs) - 1,
         watcher_read_errors=w.read_errors,
+        watcher_replica_reads=w.replica_reads,
         processor_metrics=processor_figures(result["metrics"]),
         ledger_reasons=reasons,
         tamper=result["final"].get("tamper")

@@ -44,6 +44,7 @@ class Window:
     start: int
     value: int = 0
     final: bool = False  # read at least once after the window ended
+    expired_unread: bool = False  # expired before any read after its end (final_read)
     epoch: str = ""
 
 
@@ -89,6 +90,8 @@ class Watcher:
         self._ledger_last: dict[tuple[str, str], str] = {}  # (epoch, stream) → last id read
         self.epochs: list[tuple[str, float]] = []  # run_id, first seen (wall clock s)
         self.read_errors = 0
+        self.replica_reads = 0  # reads of a failed master's replica, before it took over
+        self._counter_keys: set[str] = set()  # the counter keys the last read found
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._tick = 0
@@ -107,16 +110,38 @@ class Watcher:
             )
         return self._nodes[port]
 
-    async def masters(self) -> list[aioredis.Redis]:
-        """The masters that serve slots now, by the first live node that answers."""
+    def _replica(self, port: int) -> aioredis.Redis:
+        """One connection (READONLY is a connection's state) to a replica."""
+        key = -port
+        if key not in self._nodes:
+            self._nodes[key] = aioredis.Redis(
+                host="127.0.0.1",
+                port=port,
+                decode_responses=True,
+                socket_timeout=1.0,
+                socket_connect_timeout=1.0,
+                single_connection_client=True,
+            )
+        return self._nodes[key]
+
+    async def shards(self) -> dict[int, list[int]]:
+        """Master port → its replicas' ports, for the masters that hold slots now (a dead
+        one too, until its replica has taken over), by the first node that answers."""
         for port in self.cluster_ports:
             try:
-                shards = await self._node(port).execute_command("CLUSTER SLOTS")
+                slots = await self._node(port).execute_command("CLUSTER SLOTS")
             except (aioredis.RedisError, OSError):
                 continue
-            ports = sorted({int(master[1]) for _, _, master, *_ in shards})
-            return [self._node(p) for p in ports]
+            out: dict[int, list[int]] = {}
+            for _, _, master, *replicas in slots:
+                out.setdefault(int(master[1]), []).extend(
+                    int(r[1]) for r in replicas if int(r[1]) not in out.get(int(master[1]), [])
+                )
+            return out
         raise aioredis.ConnectionError("no cluster node answers")
+
+    async def masters(self) -> list[aioredis.Redis]:
+        return [self._node(p) for p in sorted(await self.shards())]
 
     async def _epoch(self, client: aioredis.Redis) -> str:
         if self.cluster_ports:
@@ -140,6 +165,7 @@ class Watcher:
         for key, value in zip(keys, values, strict=True):
             if value is None:
                 continue
+            self._counter_keys.add(key)
             parts = key.split(":")
             window_s, start = int(parts[-2]), int(parts[-1])
             w = self.windows.setdefault(
@@ -203,15 +229,29 @@ class Watcher:
         failed and not yet replaced, is counted in ``read_errors`` and read next time).
         True: every master was read."""
         epoch = await self._epoch(client)
+        self._counter_keys = set()
         if not self.cluster_ports:
             await self._read_one(client, epoch, everything)
             return True
         complete = True
-        for master in await self.masters():
+        for master, replicas in sorted((await self.shards()).items()):
             try:
-                await self._read_one(master, epoch, everything)
+                await self._read_one(self._node(master), epoch, everything)
+                continue
             except (aioredis.RedisError, OSError):
                 self.read_errors += 1
+            # The master is down and not yet replaced: its replica holds what will survive
+            # the failover (a window can end and expire meanwhile, never read final).
+            for port in replicas:
+                replica = self._replica(port)
+                try:
+                    await replica.execute_command("READONLY")
+                    await self._read_one(replica, epoch, everything)
+                    self.replica_reads += 1
+                    break
+                except (aioredis.RedisError, OSError):
+                    self.read_errors += 1
+            else:
                 complete = False
         return complete
 
@@ -305,6 +345,9 @@ class Watcher:
                         tampered = {"tamper": "ledger", "stream": stream, "id": entry_id}
                         break
             await self.read(client)
+            for (key, _, _), w_ in self.windows.items():
+                # Gone before a read after its end: its last value read is not its final one.
+                w_.expired_unread = not w_.final and key not in self._counter_keys
             live = {
                 r.owner
                 for r in self.records.values()
@@ -448,6 +491,7 @@ def check_counters(
         if r.request_id in excused_ids or (r.admitted and not r.settled)
     ]
     checked = mismatched = excused = unverified = 0
+    last_epoch = w.epochs[-1][0] if w.epochs else ""
     examples = []
     from extproc.quota.keys import decode_name
 
@@ -459,7 +503,7 @@ def check_counters(
         ):
             excused += 1
             continue
-        if not w_.final and w_.epoch == (w.epochs[-1][0] if w.epochs else ""):
+        if not w_.final and not w_.expired_unread and w_.epoch == last_epoch:
             # Still live at the end: final too once the drain settled every request.
             pass
         elif not w_.final:
