@@ -6,7 +6,10 @@ and is recorded with its wall-clock start and end: ``redis_pause`` (SIGSTOP … 
 ``redis_kill`` (SIGKILL; restarted on the same port, empty, after ``for``), ``redis_restart``
 (SIGTERM, at once again on the same port), ``processor_kill`` / ``processor_term`` (SIGKILL /
 SIGTERM one of N; restarted on its port after ``for`` if given), ``envoy_restart`` (stopped,
-started again on its ports after ``for``). ``stop`` ends every process still running, newest
+started again on its ports after ``for``). With ``processor.workers`` > 1 each processor is
+a ``serve --workers N`` supervisor and ``processor_kill`` SIGKILLs one worker (its supervisor
+replaces it); with ``redis.mode: cluster`` Redis is a real cluster with a replica per master
+and ``redis_kill`` SIGKILLs one master for good (its replica takes over). ``stop`` ends every process still running, newest
 first, however the run ends.
 """
 
