@@ -370,6 +370,7 @@ class ChaosParts:
         a = self._record(kind, f"processor {f.index} pid {p.process.pid}")
         if sig == signal.SIGKILL:
             self.killed_at.append(a.started_s)
+            self.killed_pids.append(p.process.pid)
         p.process.signal(sig)
         p.process.proc.wait(30)
         p.stop()
