@@ -9,8 +9,8 @@ SIGTERM one of N; restarted on its port after ``for`` if given), ``envoy_restart
 started again on its ports after ``for``). With ``processor.workers`` > 1 each processor is
 a ``serve --workers N`` supervisor and ``processor_kill`` SIGKILLs one worker (its supervisor
 replaces it); with ``redis.mode: cluster`` Redis is a real cluster with a replica per master
-and ``redis_kill`` SIGKILLs one master for good (its replica takes over). ``stop`` ends every process still running, newest
-first, however the run ends.
+and ``redis_kill`` SIGKILLs one master for good (its replica takes over). ``stop`` ends
+every process still running, newest first, however the run ends.
 """
 
 from __future__ import annotations
