@@ -27,6 +27,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from extproc.quota.keys import DEFAULT_PREFIX, heartbeat_key
 
@@ -62,6 +64,13 @@ class RecordSeen:
     fields: dict[str, str] = field(default_factory=dict)
 
 
+def _no_retry() -> Retry:
+    """The watcher reads again on its next tick: redis-py's default (10 retries with
+    backoff) stalled every read for seconds on a dead master, and windows of the live
+    masters expired meanwhile unread."""
+    return Retry(NoBackoff(), 0)
+
+
 def _tenant_of(key: str) -> str:
     return key[key.index("{") + 1 : key.index("}")]
 
@@ -90,8 +99,9 @@ class Watcher:
         self._ledger_last: dict[tuple[str, str], str] = {}  # (epoch, stream) → last id read
         self.epochs: list[tuple[str, float]] = []  # run_id, first seen (wall clock s)
         self.read_errors = 0
-        self.replica_reads = 0  # reads of a failed master's replica, before it took over
+        self.replica_reads = 0  # shards read from a replica: their master was down
         self._counter_keys: set[str] = set()  # the counter keys the last read found
+        self._shards: list[list[int]] = []  # per master: its port, then its replicas
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._tick = 0
@@ -107,11 +117,13 @@ class Watcher:
                 decode_responses=True,
                 socket_timeout=timeout_s,
                 socket_connect_timeout=timeout_s,
+                retry=_no_retry(),
             )
         return self._nodes[port]
 
     def _replica(self, port: int) -> aioredis.Redis:
-        """One connection (READONLY is a connection's state) to a replica."""
+        """One connection to a node of a shard (READONLY is a connection's state: a
+        replica then answers reads of its slots; a master ignores it)."""
         key = -port
         if key not in self._nodes:
             self._nodes[key] = aioredis.Redis(
@@ -121,27 +133,44 @@ class Watcher:
                 socket_timeout=1.0,
                 socket_connect_timeout=1.0,
                 single_connection_client=True,
+                retry=_no_retry(),
             )
         return self._nodes[key]
 
-    async def shards(self) -> dict[int, list[int]]:
-        """Master port → its replicas' ports, for the masters that hold slots now (a dead
-        one too, until its replica has taken over), by the first node that answers."""
+    async def shards(self) -> list[list[int]]:
+        """Each master's port and its replicas', as the first node that answers saw them on
+        the first call: a shard is read from the first of its nodes that answers, so from
+        its replica (``READONLY``) while its master is dead and not yet replaced, and after
+        (the killed master stays down). Nodes list a failed master's slots under no one
+        for a while: asking them on every read would skip those slots meanwhile."""
+        if self._shards:
+            return self._shards
         for port in self.cluster_ports:
             try:
                 slots = await self._node(port).execute_command("CLUSTER SLOTS")
             except (aioredis.RedisError, OSError):
                 continue
-            out: dict[int, list[int]] = {}
+            found: dict[int, list[int]] = {}
             for _, _, master, *replicas in slots:
-                out.setdefault(int(master[1]), []).extend(
-                    int(r[1]) for r in replicas if int(r[1]) not in out.get(int(master[1]), [])
-                )
-            return out
+                nodes = found.setdefault(int(master[1]), [])
+                nodes += [int(r[1]) for r in replicas if int(r[1]) not in nodes]
+            self._shards = [[m, *r] for m, r in sorted(found.items())]
+            return self._shards
         raise aioredis.ConnectionError("no cluster node answers")
 
     async def masters(self) -> list[aioredis.Redis]:
-        return [self._node(p) for p in sorted(await self.shards())]
+        """Per shard, the first of its nodes that answers (its master, or once that died
+        its promoted replica)."""
+        out = []
+        for nodes in await self.shards():
+            for port in nodes:
+                try:
+                    await self._node(port).ping()
+                except (aioredis.RedisError, OSError):
+                    continue
+                out.append(self._node(port))
+                break
+        return out
 
     async def _epoch(self, client: aioredis.Redis) -> str:
         if self.cluster_ports:
@@ -234,23 +263,19 @@ class Watcher:
             await self._read_one(client, epoch, everything)
             return True
         complete = True
-        for master, replicas in sorted((await self.shards()).items()):
-            try:
-                await self._read_one(self._node(master), epoch, everything)
-                continue
-            except (aioredis.RedisError, OSError):
-                self.read_errors += 1
-            # The master is down and not yet replaced: its replica holds what will survive
-            # the failover (a window can end and expire meanwhile, never read final).
-            for port in replicas:
-                replica = self._replica(port)
+        for nodes in await self.shards():
+            for i, port in enumerate(nodes):
+                # The master first; while it is down its replica holds what will survive
+                # the failover (a window can end and expire meanwhile, never read final).
+                node = self._replica(port)
                 try:
-                    await replica.execute_command("READONLY")
-                    await self._read_one(replica, epoch, everything)
-                    self.replica_reads += 1
-                    break
+                    await node.execute_command("READONLY")
+                    await self._read_one(node, epoch, everything)
                 except (aioredis.RedisError, OSError):
                     self.read_errors += 1
+                    continue
+                self.replica_reads += int(i > 0)
+                break
             else:
                 complete = False
         return complete
@@ -272,7 +297,9 @@ class Watcher:
             return aioredis.RedisCluster(
                 startup_nodes=nodes, decode_responses=True, socket_timeout=timeout_s
             )
-        return aioredis.from_url(self.url, decode_responses=True, socket_timeout=timeout_s)
+        return aioredis.from_url(
+            self.url, decode_responses=True, socket_timeout=timeout_s, retry=_no_retry()
+        )
 
     async def _scanned(self, client: aioredis.Redis) -> list[aioredis.Redis]:
         return await self.masters() if self.cluster_ports else [client]
