@@ -453,14 +453,24 @@ def failover_errors(
     parts: ChaosParts, records: list[dict[str, Any]], origin: float
 ) -> list[dict[str, Any]]:
     """Per master kill: client errors of requests in flight during its failover (from the
-    SIGKILL until every node agrees on the new master), on its tenants and on the others."""
+    SIGKILL until every node agrees on the new master), on its tenants and on the others;
+    those also in flight at a processor's SIGKILL are left out (that kill cut them)."""
     out = []
-    spans = {a.target: a for a in parts.applied if a.kind == "redis_kill"}
     for index, at in parts.killed_masters:
-        applied = next((a for a in spans.values() if a.started_s == at), None)
+        applied = next(
+            (a for a in parts.applied if a.kind == "redis_kill" and a.started_s == at), None
+        )
         end = (applied.ended_s if applied and applied.ended_s else at) - origin
         start = at - origin
-        during = [r for r in records if r["start_s"] <= end and r["end_s"] >= start]
+        # A request in flight when a processor (or worker) was SIGKILLed is that kill's.
+        kills = [k - origin for k in parts.killed_at]
+        during = [
+            r
+            for r in records
+            if r["start_s"] <= end
+            and r["end_s"] >= start
+            and not any(r["start_s"] <= k + 0.5 and r["end_s"] >= k for k in kills)
+        ]
         victims = [r for r in during if parts.tenant_master.get(r["tenant"]) == index]
         healthy = [r for r in during if parts.tenant_master.get(r["tenant"]) != index]
         out.append(
