@@ -287,12 +287,21 @@ class ChaosParts:
         with self._lock:
             self.stopping = True
             everything = list(self._everything)
+        # A supervisor drains its workers on SIGTERM; any it left (it was SIGKILLed after
+        # its stop timed out) are SIGKILLed below, by the pids it had.
+        workers = [pid for p in self.processors if isinstance(p, Supervisor) for pid in
+                   p.worker_pids().values()]  # fmt: skip
         for process in reversed(everything):
             with contextlib.suppress(OSError):
                 if process.proc.poll() is None:
                     with contextlib.suppress(OSError):
                         os.kill(process.pid, signal.SIGCONT)  # a paused Redis can't stop
                 process.stop()
+        for pid in workers:
+            with contextlib.suppress(OSError):
+                # Still that worker (its pid not reused): our config on its command line.
+                if str(self.config).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
 
     # --- faults -----------------------------------------------------------------------
 
