@@ -331,7 +331,11 @@ async def _run(
     # busy machine, and the watcher on it would miss windows' final values.
     await asyncio.to_thread(_o200k)
     before = {pid: u for pid in parts.processor_pids() if (u := usage(pid)) is not None}
-    watcher = Watcher(parts.redis_url, cluster_ports=parts.cluster_ports())
+    watcher = Watcher(
+        parts.redis_url,
+        cluster_ports=parts.cluster_ports(),
+        cluster_shards=parts.cluster_shards(),
+    )
     watcher.start()
     total = None
     live.note(

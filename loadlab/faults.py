@@ -155,6 +155,7 @@ class ChaosParts:
         self.tenants = [tenant_name(i) for i in range(scenario.tenants)]
         self.tenant_master: dict[str, int] = {}  # tenant → master index (a cluster)
         self.masters: list[int] = []  # master ports in slot order, as at the start
+        self.shards: dict[int, list[int]] = {}  # master port → its replicas', at the start
         self.sim: Simulator | None = None
         self.processors: list[Processor | Supervisor | None] = []
         self.envoy: Envoy | None = None
@@ -176,6 +177,10 @@ class ChaosParts:
             return self.cluster.url
         assert self.redis is not None
         return self.redis.url
+
+    def cluster_shards(self) -> list[list[int]]:
+        """Each master's port then its replicas', as at the start (none: a single Redis)."""
+        return [[m, *r] for m, r in sorted(self.shards.items())]
 
     def cluster_ports(self) -> list[int]:
         """Every node of the cluster (none: a single Redis)."""
@@ -223,6 +228,7 @@ class ChaosParts:
         for node in self.cluster.nodes:
             self._keep(node.process)
         self.cluster.wait_replicas_synced()
+        self.shards = self.cluster.topology()
         by_port = self.cluster.tenants_on_masters(
             per_master=-(-s.tenants // s.masters), stem="chaos-"
         )

@@ -77,9 +77,10 @@ def _tenant_of(key: str) -> str:
 
 class Watcher:
     """``cluster_ports``: the nodes of a Redis Cluster (none: the single Redis at
-    ``redis_url``). On a cluster every read goes to each live master (a tenant's keys live
-    in its hash tag's slot, on one of them) and there is one epoch: a failed-over master's
-    replica holds what it held."""
+    ``redis_url``); ``cluster_shards``: each master's port followed by its replicas'. On a
+    cluster every read goes to each shard (a tenant's keys live in its hash tag's slot, on
+    one of them) and there is one epoch: a failed-over master's replica holds what it
+    held."""
 
     def __init__(
         self,
@@ -87,6 +88,7 @@ class Watcher:
         prefix: str = DEFAULT_PREFIX,
         interval_s: float = 0.25,
         cluster_ports: Sequence[int] = (),
+        cluster_shards: Sequence[Sequence[int]] = (),
     ):
         self.url = redis_url
         self.prefix = prefix
@@ -101,7 +103,8 @@ class Watcher:
         self.read_errors = 0
         self.replica_reads = 0  # shards read from a replica: their master was down
         self._counter_keys: set[str] = set()  # the counter keys the last read found
-        self._shards: list[list[int]] = []  # per master: its port, then its replicas
+        # Per master: its port, then its replicas'.
+        self._shards: list[list[int]] = [list(nodes) for nodes in cluster_shards]
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._tick = 0
@@ -138,11 +141,12 @@ class Watcher:
         return self._nodes[key]
 
     async def shards(self) -> list[list[int]]:
-        """Each master's port and its replicas', as the first node that answers saw them on
-        the first call: a shard is read from the first of its nodes that answers, so from
-        its replica (``READONLY``) while its master is dead and not yet replaced, and after
-        (the killed master stays down). Nodes list a failed master's slots under no one
-        for a while: asking them on every read would skip those slots meanwhile."""
+        """Each master's port and its replicas', as given (``cluster_shards``) or as the
+        first node that answers CLUSTER SLOTS saw them (replicas not yet in sync are left
+        out of it). A shard is read from the first of its nodes that answers, so from its
+        replica (``READONLY``) while its master is dead and not yet replaced, and after
+        (the killed master stays down): nodes list a failed master's slots under no one
+        for a while, so asking them on every read would skip those slots meanwhile."""
         if self._shards:
             return self._shards
         for port in self.cluster_ports:
@@ -182,14 +186,26 @@ class Watcher:
             self.epochs.append((run_id, time.time()))
         return run_id
 
+    def _pipeline(self, client: aioredis.Redis) -> Any:
+        """A pipeline takes a connection of its own from the pool: on a cluster it starts
+        with READONLY, or a replica answers its reads with MOVED."""
+        pipe = client.pipeline(transaction=False)
+        if self.cluster_ports:
+            pipe.execute_command("READONLY")
+        return pipe
+
+    async def _execute(self, pipe: Any) -> list[Any]:
+        replies = await pipe.execute()
+        return list(replies[1:] if self.cluster_ports else replies)
+
     async def _counters(self, client: aioredis.Redis, epoch: str) -> None:
         keys = [k async for k in client.scan_iter(match=f"{self.prefix}:{{*}}:c:tpm:*", count=500)]
         if not keys:
             return
-        pipe = client.pipeline(transaction=False)
+        pipe = self._pipeline(client)
         for k in keys:
             pipe.get(k)  # one GET per key: an MGET must not span slots on a cluster
-        values = await pipe.execute()
+        values = await self._execute(pipe)
         now = time.time()
         for key, value in zip(keys, values, strict=True):
             if value is None:
@@ -212,10 +228,10 @@ class Watcher:
             for k in keys
             if not k.endswith(":absorb") and (k not in self.records or not self.records[k].settled)
         ]
-        pipe = client.pipeline(transaction=False)
+        pipe = self._pipeline(client)
         for k in todo:
             pipe.hgetall(k)
-        for key, fields in zip(todo, await pipe.execute(), strict=True):
+        for key, fields in zip(todo, await self._execute(pipe), strict=True):
             if not fields:
                 continue
             verdict = fields.get("v", "")
