@@ -729,7 +729,7 @@ def test_memory_and_redis_backends_agree_step_by_step(
 def test_memory_and_redis_backends_agree_over_long_runs(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run_differential(redis_server, monkeypatch, _profile(examples=1000, steps=60))
+    run_differential(redis_server, monkeypatch, _profile(examples=300, steps=60))
 
 
 # --- divergences the machine found, as plain tests on both backends -------------------
