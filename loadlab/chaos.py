@@ -16,6 +16,7 @@ import asyncio
 import functools
 import os
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -32,7 +33,7 @@ from rich.table import Table
 from loadlab.chaos_scenario import ChaosScenario, load_chaos, parse_chaos
 from loadlab.client import TimedStream, chat_request, timed_stream
 from loadlab.engine import CHAT_OVERHEAD, WORD
-from loadlab.faults import ChaosParts, tenant_api_key, tenant_name, usage
+from loadlab.faults import ChaosParts, tenant_api_key, usage
 from loadlab.harness import Run, one_line
 from loadlab.integrity import (
     EXCUSED,
@@ -40,7 +41,6 @@ from loadlab.integrity import (
     WELL_FORMED,
     Check,
     Watcher,
-    allowed_open,
     check_budget,
     check_counters,
     check_open,
@@ -144,7 +144,7 @@ class Load:
         end = time.time()
         return {
             "request_id": rid,
-            "tenant": tenant_name(tenant),
+            "tenant": self.parts.tenants[tenant],
             "index": index,
             "attempt": attempt,
             "start_s": round(stream.sent_ns / 1e9 - self.origin, 4),
@@ -294,25 +294,48 @@ async def _fault(parts: ChaosParts, origin: float, fault: Any, live: Live) -> No
         live.note(f"  {fault.kind} failed: {text}")
 
 
-async def _drain(s: ChaosScenario, watcher: Watcher, parts: ChaosParts) -> float:
-    """Wait until every reservation is settled, or all that stay open are a SIGKILL's
-    (allowed), within the orphan sweep's time: heartbeat TTL + sweeps + registration."""
+def settle_bound_s(s: ChaosScenario) -> float:
+    """docs/operations.md: a dead processor's records are settled within heartbeat_ttl_s +
+    1.2 × orphan_sweep_s of its death, and a peer just back from a Redis outage (or a
+    failover of the master holding the heartbeats) first trusts its own beats for a TTL."""
+    return 2 * s.heartbeat_ttl_s + 1.2 * s.orphan_sweep_s
+
+
+async def _drain(s: ChaosScenario, watcher: Watcher) -> dict[str, Any]:
+    """Wait until no admitted reservation is open, polling the watcher's full reads (each
+    condition seen on a read that began after the last check). The deadline is the sweep
+    bound many times over plus the streams' idle timeout, for a loaded machine: a deadline
+    only ends a run that failed, it is never what the run waits for."""
     started = time.monotonic()
-    deadline = started + s.heartbeat_ttl_s + 4 * s.orphan_sweep_s + s.stream_idle_timeout_s + 6
-    await asyncio.sleep(1.5)  # the watcher reads records once a second
+    deadline = started + 10 * settle_bound_s(s) + s.stream_idle_timeout_s + 30
+    first: int | None = None
+    left = 0
     while time.monotonic() < deadline:
-        left = watcher.open_records()
-        if all(allowed_open(r.admitted_at_s, parts.killed_at) for r in left):
+        await watcher.next_full_read(deadline)
+        left = len(watcher.open_records())
+        first = left if first is None else first
+        if not left:
             break
-        await asyncio.sleep(0.25)
-    return time.monotonic() - started
+    return {
+        "drain_s": time.monotonic() - started,
+        "open_at_load_end": first or 0,
+        "open_after_drain": left,
+        "settle_bound_s": settle_bound_s(s),
+    }
 
 
 async def _run(
     s: ChaosScenario, parts: ChaosParts, live: Live, tamper: str | None
 ) -> dict[str, Any]:
+    # Loaded now, not by the first stream's end: loading blocks the loop for seconds on a
+    # busy machine, and the watcher on it would miss windows' final values.
+    await asyncio.to_thread(_o200k)
     before = {pid: u for pid in parts.processor_pids() if (u := usage(pid)) is not None}
-    watcher = Watcher(parts.redis_url)
+    watcher = Watcher(
+        parts.redis_url,
+        cluster_ports=parts.cluster_ports(),
+        cluster_shards=parts.cluster_shards(),
+    )
     watcher.start()
     total = None
     live.note(
@@ -330,7 +353,7 @@ async def _run(
         finally:  # also on Ctrl-C: a fault's thread mustn't hold the way out
             parts.abort.set()
     live.note("  load done; waiting for every reservation to settle")
-    drain_s = await _drain(s, watcher, parts)
+    drain = await _drain(s, watcher)
     after = {pid: u for pid in parts.processor_pids() if (u := usage(pid)) is not None}
     await watcher.stop()
     final = await watcher.final_read(tamper)
@@ -347,7 +370,7 @@ async def _run(
         "final": final,
         "before": before,
         "after": after,
-        "drain_s": drain_s,
+        "drain": drain,
         "metrics": metrics,
     }
 
@@ -362,11 +385,16 @@ def progress_kind(rec: dict[str, Any], parts: ChaosParts, origin: float, s: Chao
 
 
 def integrity(
-    s: ChaosScenario, result: dict[str, Any], records: list[dict[str, Any]], kills: list[float]
+    s: ChaosScenario,
+    result: dict[str, Any],
+    records: list[dict[str, Any]],
+    kills: list[float],
+    parts: ChaosParts | None = None,
+    origin: float = 0.0,
 ) -> list[Check]:
     w: Watcher = result["watcher"]
     settled, lost = check_settled_once(w, kills)
-    return [
+    checks = [
         check_budget(w, s.tpm, records),
         settled,
         check_open(w, kills, result["final"]["live_owners"]),
@@ -374,6 +402,170 @@ def integrity(
         check_outcomes(records),
         check_resources(result["before"], result["after"]),
     ]
+    if parts is not None and (parts.replaced or parts.killed_masters or _crash_faults(s)):
+        checks.append(check_crashes(s, parts))
+        if parts.killed_masters:
+            checks.append(check_healthy_masters(parts, records, origin))
+    return checks
+
+
+def _crash_faults(s: ChaosScenario) -> list[Any]:
+    return [f for f in s.faults if f.worker is not None or f.master is not None]
+
+
+def check_crashes(s: ChaosScenario, parts: ChaosParts) -> Check:
+    """Every worker kill and master kill of the scenario happened: the worker's pid was
+    SIGKILLed and its supervisor started another in its place; the master's pid was
+    SIGKILLed and its replica took its slots."""
+    planned_workers = sum(1 for f in s.faults if f.worker is not None)
+    planned_masters = sum(1 for f in s.faults if f.master is not None)
+    gone = [r for r in parts.replaced if os.path.exists(f"/proc/{r['killed_pid']}")]
+    promoted = [f for f in parts.failovers if f["new_port"] is not None]
+    passed = (
+        len(parts.replaced) == planned_workers
+        and not gone
+        and len(promoted) == planned_masters
+        and len(parts.failovers) == planned_masters
+    )
+    figures = {
+        "workers_killed": len(parts.killed_pids),
+        "workers_replaced": parts.replaced,
+        "masters_killed": len(parts.killed_masters),
+        "failovers": parts.failovers,
+    }
+    return Check(
+        "crashes_applied",
+        passed,
+        figures,
+        f"workers SIGKILLed and replaced {len(parts.replaced)}/{planned_workers}, "
+        f"masters SIGKILLed and failed over {len(promoted)}/{planned_masters}",
+    )
+
+
+def is_error(rec: dict[str, Any]) -> bool:
+    """What a client counts as a failure: not a complete stream, not the budget's own
+    refusal (429) or cut-off (``*_exceeded``), not its own hang-up."""
+    if rec["outcome"] in ("complete", "client_disconnect"):
+        return False
+    if rec["status"] == 429:
+        return False
+    code = rec["error_code"] or ""
+    return not (rec["outcome"] == "cut_clean" and code.endswith("_exceeded"))
+
+
+def failover_errors(
+    parts: ChaosParts, records: list[dict[str, Any]], origin: float
+) -> list[dict[str, Any]]:
+    """Per master kill: client errors of requests in flight during its failover (from the
+    SIGKILL until every node agrees on the new master), on its tenants and on the others;
+    those also in flight at a processor's SIGKILL are left out (that kill cut them)."""
+    out = []
+    for index, at in parts.killed_masters:
+        applied = next(
+            (a for a in parts.applied if a.kind == "redis_kill" and a.started_s == at), None
+        )
+        end = (applied.ended_s if applied and applied.ended_s else at) - origin
+        start = at - origin
+        # A request in flight when a processor (or worker) was SIGKILLed is that kill's.
+        kills = [k - origin for k in parts.killed_at]
+        during = [
+            r
+            for r in records
+            if r["start_s"] <= end
+            and r["end_s"] >= start
+            and not any(r["start_s"] <= k + 0.5 and r["end_s"] >= k for k in kills)
+        ]
+        victims = [r for r in during if parts.tenant_master.get(r["tenant"]) == index]
+        healthy = [r for r in during if parts.tenant_master.get(r["tenant"]) != index]
+        out.append(
+            {
+                "master": index,
+                "failover_s": round(end - start, 3),
+                "requests_of_its_tenants": len(victims),
+                "errors_of_its_tenants": sum(map(is_error, victims)),
+                "requests_of_healthy_masters": len(healthy),
+                "errors_of_healthy_masters": sum(map(is_error, healthy)),
+                "healthy_error_examples": [
+                    {k: r[k] for k in ("request_id", "tenant", "status", "detail", "error_code")}
+                    for r in healthy
+                    if is_error(r)
+                ][:5],
+            }
+        )
+    return out
+
+
+def check_healthy_masters(parts: ChaosParts, records: list[dict[str, Any]], origin: float) -> Check:
+    """One master down stops only the tenants whose slots it serves: the tenants of the
+    others see no error while it fails over."""
+    rows = failover_errors(parts, records, origin)
+    errors = sum(r["errors_of_healthy_masters"] for r in rows)
+    asked = sum(r["requests_of_healthy_masters"] for r in rows)
+    return Check(
+        "healthy_masters_unaffected",
+        errors == 0 and asked > 0,
+        {"failovers": rows},
+        f"errors on the healthy masters' tenants during the failover {errors} of {asked}; "
+        f"on its own tenants {sum(r['errors_of_its_tenants'] for r in rows)} of "
+        f"{sum(r['requests_of_its_tenants'] for r in rows)}",
+    )
+
+
+def crash_figures(
+    w: Watcher, parts: ChaosParts, drain: dict[str, Any], origin: float
+) -> dict[str, Any]:
+    """Per worker SIGKILL: the records the dead worker held open at the kill (admitted, not
+    settled by it), how many a peer settled (ledger reason ``orphaned``), how many stayed
+    open, and the time from the kill to the last of those settlements (the ledger entry's
+    id is its time, ms)."""
+    entries: dict[str, tuple[str, dict[str, str]]] = {}
+    for (_, entry_id), entry in w.ledger.items():
+        entries[entry.get("request_id", "")] = (entry_id, entry)
+    kills = []
+    for pid, at in zip(parts.killed_pids, parts.killed_at, strict=True):
+        mine = [r for r in w.records.values() if r.admitted and owner_pid(r.owner) == pid]
+        held, orphaned, settle_s = [], 0, 0.0
+        for r in mine:
+            found = entries.get(_decoded(r.request_id))
+            if found is None:
+                if not r.settled:
+                    held.append(r)
+                continue
+            entry_id, entry = found
+            if entry.get("reason") == "orphaned":
+                held.append(r)
+                orphaned += 1
+                settle_s = max(settle_s, int(entry_id.split("-")[0]) / 1000 - at)
+        kills.append(
+            {
+                "pid": pid,
+                "at_s": round(at - origin, 3),
+                "records_of_the_dead": len(mine),
+                "open_at_kill": len(held),
+                "settled_by_peer": orphaned,
+                "left_open": sum(1 for r in held if not r.settled),
+                "kill_to_last_settlement_s": round(settle_s, 3),
+            }
+        )
+    return {
+        "worker_kills": kills,
+        "open_at_load_end": drain["open_at_load_end"],
+        "open_after_drain": drain["open_after_drain"],
+        "drain_s": round(drain["drain_s"], 2),
+        "settle_bound_s": drain["settle_bound_s"],
+    }
+
+
+def _decoded(request_id: str) -> str:
+    from extproc.quota.keys import decode_name
+
+    return decode_name(request_id)
+
+
+def owner_pid(owner: str) -> int:
+    """The pid in a processor id (``<host>-<pid>-<hex>``); 0: none."""
+    found = re.search(r"-(\d+)-[0-9a-f]+$", owner)
+    return int(found.group(1)) if found else 0
 
 
 def processor_figures(metrics: Sequence[dict[str, float]]) -> dict[str, Any]:
@@ -497,7 +689,7 @@ def main(argv: Sequence[str]) -> int:
     for rec in records:
         rec["outcome"] = classify(rec, spans, s)
     kills = list(parts.killed_at)
-    checks = integrity(s, result, records, kills)
+    checks = integrity(s, result, records, kills, parts, origin)
     w: Watcher = result["watcher"]
     windows = sorted(
         (
@@ -517,9 +709,12 @@ def main(argv: Sequence[str]) -> int:
     finished = run.finished()
     info.update(
         wall_s=finished["wall_s"],
-        drain_s=round(result["drain_s"], 2),
+        drain_s=round(result["drain"]["drain_s"], 2),
+        crash=crash_figures(w, parts, result["drain"], origin),
+        failovers=failover_errors(parts, records, origin),
         redis_restarts=len(w.epochs) - 1,
         watcher_read_errors=w.read_errors,
+        watcher_replica_reads=w.replica_reads,
         processor_metrics=processor_figures(result["metrics"]),
         ledger_reasons=reasons,
         tamper=result["final"].get("tamper")

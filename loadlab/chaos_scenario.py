@@ -29,6 +29,9 @@ from loadlab.scenario import (
     read_yaml,
 )
 
+REDIS_MODES = ("single", "cluster")
+# On a cluster only a master's SIGKILL: its replica takes over, the others keep serving.
+CLUSTER_FAULTS = ("redis_kill",)
 FAULTS = (
     "redis_pause",
     "redis_kill",
@@ -58,6 +61,11 @@ class Fault:
     kind: str
     for_s: float = 0.0
     index: int = 0  # which processor (processor_kill / processor_term)
+    worker: int | None = None  # which worker of a ``--workers`` processor (processor_kill)
+    master: int | None = None  # which cluster master, by slot range order (redis_kill)
+    # A worker kill waits (from ``at``, up to MIN_OPEN_WAIT_S) until the worker holds this
+    # many admitted, unsettled streams: the kill leaves records to settle, by construction.
+    min_open: int = 0
 
     def to_doc(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"at": f"{self.at_s:g}s", "fault": self.kind}
@@ -65,6 +73,12 @@ class Fault:
             doc["for"] = f"{self.for_s:g}s"
         if self.kind.startswith("processor_"):
             doc["processor"] = self.index
+        if self.worker is not None:
+            doc["worker"] = self.worker
+        if self.master is not None:
+            doc["master"] = self.master
+        if self.min_open:
+            doc["min_open"] = self.min_open
         return doc
 
 
@@ -91,8 +105,12 @@ class ChaosScenario:
     stall_s: float = 2.0
     malformed_rate: float = 0.0
     split_writes_rate: float = 0.0
+    # Redis: one server, or a real Redis Cluster of ``masters`` masters with one replica each
+    redis_mode: str = "single"
+    masters: int = 3
     # Processors
     processors: int = 2
+    workers: int = 1  # 1: ``extproc serve``; more: ``serve --workers N`` (a supervisor)
     charge_mode: str = "incremental"
     batch_tokens: int = 16
     tpm: int = 6000
@@ -136,8 +154,14 @@ class ChaosScenario:
                 "malformed_rate": self.malformed_rate,
                 "split_writes_rate": self.split_writes_rate,
             },
+            "redis": (
+                {"mode": self.redis_mode, "masters": self.masters, "replicas": 1}
+                if self.redis_mode == "cluster"
+                else {"mode": self.redis_mode}
+            ),
             "processor": {
                 "count": self.processors,
+                "workers": self.workers,
                 "charge_mode": self.charge_mode,
                 "batch_tokens": self.batch_tokens,
                 "budget": {"tpm": self.tpm, "window_s": self.window_s},
@@ -186,6 +210,7 @@ TOP_KEYS = {
     "seed",
     "duration_s",
     "simulator",
+    "redis",
     "processor",
     "load",
     "clients",
@@ -243,11 +268,21 @@ def parse_chaos(doc: object) -> ChaosScenario:
             _choice(t, "simulator.failure_types", FAILURE_TYPES)
             for t in _list(sim["failure_types"], "simulator.failure_types")
         )
+    red = _mapping(top.get("redis"), "redis", {"mode", "masters", "replicas"})
+    if "mode" in red:
+        c["redis_mode"] = _choice(red["mode"], "redis.mode", REDIS_MODES)
+    if "masters" in red:
+        c["masters"] = _int(red["masters"], "redis.masters", 3)
+    if "replicas" in red and _int(red["replicas"], "redis.replicas") != 1:
+        raise ScenarioError("redis.replicas", "must be 1: one replica per master takes over")
+    if ("masters" in red or "replicas" in red) and c.get("redis_mode") != "cluster":
+        raise ScenarioError("redis.masters", "only with mode: cluster")
     proc = _mapping(
         top.get("processor"),
         "processor",
         {
             "count",
+            "workers",
             "charge_mode",
             "batch_tokens",
             "budget",
@@ -259,6 +294,8 @@ def parse_chaos(doc: object) -> ChaosScenario:
     )
     if "count" in proc:
         c["processors"] = _int(proc["count"], "processor.count", 1)
+    if "workers" in proc:
+        c["workers"] = _int(proc["workers"], "processor.workers", 1)
     if "charge_mode" in proc:
         c["charge_mode"] = _choice(proc["charge_mode"], "processor.charge_mode", CHARGE_MODES)
     if "batch_tokens" in proc:
@@ -319,7 +356,7 @@ def parse_chaos(doc: object) -> ChaosScenario:
 
 
 def _fault(value: object, key: str) -> Fault:
-    doc = _mapping(value, key, {"at", "fault", "for", "processor"})
+    doc = _mapping(value, key, {"at", "fault", "for", "processor", "worker", "master", "min_open"})
     if "at" not in doc:
         raise ScenarioError(f"{key}.at", "is required")
     if "fault" not in doc:
@@ -331,7 +368,33 @@ def _fault(value: object, key: str) -> Fault:
     index = doc.get("processor", 0)
     if "processor" in doc and not kind.startswith("processor_"):
         raise ScenarioError(f"{key}.processor", f"only for processor faults, not {kind}")
-    return Fault(_seconds(doc["at"], f"{key}.at"), kind, for_s, _int(index, f"{key}.processor"))
+    worker = master = None
+    if "worker" in doc:
+        if kind != "processor_kill":
+            raise ScenarioError(f"{key}.worker", f"only for processor_kill, not {kind}")
+        worker = _int(doc["worker"], f"{key}.worker")
+        if for_s:
+            raise ScenarioError(f"{key}.for", "a killed worker is replaced by its supervisor")
+    min_open = 0
+    if "min_open" in doc:
+        if worker is None:
+            raise ScenarioError(f"{key}.min_open", "only for a processor_kill with worker")
+        min_open = _int(doc["min_open"], f"{key}.min_open", 1)
+    if "master" in doc:
+        if kind != "redis_kill":
+            raise ScenarioError(f"{key}.master", f"only for redis_kill, not {kind}")
+        master = _int(doc["master"], f"{key}.master")
+        if for_s:
+            raise ScenarioError(f"{key}.for", "a killed master stays down: its replica takes over")
+    return Fault(
+        _seconds(doc["at"], f"{key}.at"),
+        kind,
+        for_s,
+        _int(index, f"{key}.processor"),
+        worker,
+        master,
+        min_open,
+    )
 
 
 def check_chaos(s: ChaosScenario) -> ChaosScenario:
@@ -362,10 +425,33 @@ def check_chaos(s: ChaosScenario) -> ChaosScenario:
             raise ScenarioError(
                 f"faults[{i}].processor", f"{f.index} is not below processor.count ({s.processors})"
             )
+        if f.kind == "processor_kill" and f.worker is None and s.workers > 1:
+            raise ScenarioError(
+                f"faults[{i}].worker", "a processor with workers is killed one worker at a time"
+            )
+        if f.worker is not None and f.worker >= s.workers:
+            raise ScenarioError(
+                f"faults[{i}].worker", f"{f.worker} is not below processor.workers ({s.workers})"
+            )
+        if s.redis_mode == "cluster" and f.kind.startswith("redis_"):
+            if f.kind not in CLUSTER_FAULTS or f.master is None:
+                raise ScenarioError(
+                    f"faults[{i}].fault", "on a cluster only redis_kill with master: <i>"
+                )
+            if f.master >= s.masters:
+                raise ScenarioError(
+                    f"faults[{i}].master", f"{f.master} is not below redis.masters ({s.masters})"
+                )
+        if f.master is not None and s.redis_mode != "cluster":
+            raise ScenarioError(f"faults[{i}].master", "only with redis.mode: cluster")
     # A processor fault with nobody left to settle its orphans proves nothing.
-    kills = [f for f in s.faults if f.kind == "processor_kill" and not f.for_s]
+    kills = [f for f in s.faults if f.kind == "processor_kill" and not f.for_s and f.worker is None]
     if kills and s.processors < 2:
         raise ScenarioError("processor.count", "a processor_kill needs a peer: at least 2")
+    if s.redis_mode == "cluster" and s.tenants < s.masters:
+        raise ScenarioError(
+            "processor.tenants", f"{s.tenants} leaves a master idle: at least redis.masters"
+        )
     for i, b in enumerate(s.bursts):
         if b.at_s >= s.duration_s:
             raise ScenarioError(f"clients.bursts[{i}].at", "is not before duration_s")

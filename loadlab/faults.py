@@ -6,8 +6,11 @@ and is recorded with its wall-clock start and end: ``redis_pause`` (SIGSTOP … 
 ``redis_kill`` (SIGKILL; restarted on the same port, empty, after ``for``), ``redis_restart``
 (SIGTERM, at once again on the same port), ``processor_kill`` / ``processor_term`` (SIGKILL /
 SIGTERM one of N; restarted on its port after ``for`` if given), ``envoy_restart`` (stopped,
-started again on its ports after ``for``). ``stop`` ends every process still running, newest
-first, however the run ends.
+started again on its ports after ``for``). With ``processor.workers`` > 1 each processor is
+a ``serve --workers N`` supervisor and ``processor_kill`` SIGKILLs one worker (its supervisor
+replaces it); with ``redis.mode: cluster`` Redis is a real cluster with a replica per master
+and ``redis_kill`` SIGKILLs one master for good (its replica takes over). ``stop`` ends
+every process still running, newest first, however the run ends.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from loadlab.chaos_scenario import ChaosScenario, Fault
-from loadlab.gateway import Envoy, Processor, key_hash, write_config
+from loadlab.gateway import Envoy, Processor, Supervisor, http_get, key_hash, write_config
 from loadlab.machine import status_kib
+from loadlab.metrics import parse_metrics
 from loadlab.procs import ManagedProcess
+from loadlab.redis_cluster import RedisClusterSet, wait_for
 from loadlab.redis_server import RedisServer
 from loadlab.rig import MODELS
 from loadlab.simulator import Simulator
@@ -35,6 +40,20 @@ from stack.envoy import ProcessorHealthCheck
 HEALTH = ProcessorHealthCheck(interval_s=0.5, unhealthy_threshold=2)
 
 
+# How long a worker kill with ``min_open`` waits past its ``at`` for the streams it needs.
+MIN_OPEN_WAIT_S = 30.0
+
+
+def worker_open(sup: Supervisor, worker: int) -> int:
+    """Streams a worker admitted and has not settled, from its /metrics (0: not answering)."""
+    try:
+        _, text = http_get(f"http://127.0.0.1:{sup.metrics_port + worker}/metrics", 0.5)
+    except OSError:
+        return 0
+    m = parse_metrics(text)
+    return int(m.get("extproc_requests_admitted_total", 0) - m.get("extproc_settlements_total", 0))
+
+
 def tenant_name(i: int) -> str:
     return f"chaos-{i}"
 
@@ -43,7 +62,9 @@ def tenant_api_key(i: int) -> str:
     return f"sk-chaos-tenant-{i}"
 
 
-def processor_config(path: Path, s: ChaosScenario, redis_url: str) -> Path:
+def processor_config(
+    path: Path, s: ChaosScenario, redis_url: str, tenants: list[str] | None = None
+) -> Path:
     plan = {
         "window_s": s.window_s,
         "limits": {"*": {"tpm": s.tpm}},
@@ -58,8 +79,8 @@ def processor_config(path: Path, s: ChaosScenario, redis_url: str) -> Path:
             "models": MODELS,
             "plans": {"chaos": plan},
             "tenants": {
-                tenant_name(i): {"plan": "chaos", "key_sha256": [key_hash(tenant_api_key(i))]}
-                for i in range(s.tenants)
+                name: {"plan": "chaos", "key_sha256": [key_hash(tenant_api_key(i))]}
+                for i, name in enumerate(tenants or [tenant_name(i) for i in range(s.tenants)])
             },
             "stream_idle_timeout_s": s.stream_idle_timeout_s,
             "heartbeat_ttl_s": s.heartbeat_ttl_s,
@@ -128,12 +149,23 @@ class ChaosParts:
         self.s = scenario
         self.workdir = workdir
         self.redis: RedisServer | None = None
+        self.cluster: RedisClusterSet | None = None
+        # Tenant i's name; on a cluster chosen so that the masters take turns (tenant i on
+        # master i % masters, the masters in slot order).
+        self.tenants = [tenant_name(i) for i in range(scenario.tenants)]
+        self.tenant_master: dict[str, int] = {}  # tenant → master index (a cluster)
+        self.masters: list[int] = []  # master ports in slot order, as at the start
+        self.shards: dict[int, list[int]] = {}  # master port → its replicas', at the start
         self.sim: Simulator | None = None
-        self.processors: list[Processor | None] = []
+        self.processors: list[Processor | Supervisor | None] = []
         self.envoy: Envoy | None = None
         self.config: Path | None = None
         self.applied: list[Applied] = []
         self.killed_at: list[float] = []  # wall clock of each processor SIGKILL
+        self.killed_pids: list[int] = []  # the pid each SIGKILL was sent to
+        self.killed_masters: list[tuple[int, float]] = []  # (master index, wall clock)
+        self.failovers: list[dict[str, Any]] = []
+        self.replaced: list[dict[str, Any]] = []  # a supervisor's worker replaced
         self._lock = threading.Lock()  # a fault replaces a part while stop() may run
         self._everything: list[ManagedProcess] = []  # every process ever started, in order
         self.stopping = False
@@ -141,8 +173,18 @@ class ChaosParts:
 
     @property
     def redis_url(self) -> str:
+        if self.cluster is not None:
+            return self.cluster.url
         assert self.redis is not None
         return self.redis.url
+
+    def cluster_shards(self) -> list[list[int]]:
+        """Each master's port then its replicas', as at the start (none: a single Redis)."""
+        return [[m, *r] for m, r in sorted(self.shards.items())]
+
+    def cluster_ports(self) -> list[int]:
+        """Every node of the cluster (none: a single Redis)."""
+        return [n.port for n in self.cluster.nodes] if self.cluster is not None else []
 
     @property
     def port(self) -> int:
@@ -160,11 +202,14 @@ class ChaosParts:
     def start(self) -> None:
         s = self.s
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer.start(self.workdir / "redis")
-        self._keep(self.redis.process)
+        if s.redis_mode == "cluster":
+            self._start_cluster()
+        else:
+            self.redis = RedisServer.start(self.workdir / "redis")
+            self._keep(self.redis.process)
         self.sim = Simulator(s.profile, *simulator_args(s), log_dir=self.workdir)
         self._keep(self.sim.process)
-        self.config = processor_config(self.workdir / "quota.yaml", s, self.redis.url)
+        self.config = processor_config(self.workdir / "quota.yaml", s, self.redis_url, self.tenants)
         for _ in range(s.processors):
             p = self._processor()
             self.processors.append(p)
@@ -173,19 +218,60 @@ class ChaosParts:
             [p.port for p in self.processors if p is not None],
             [self.sim.port],
             health_check=HEALTH,
+            stream_per_processor_connection=s.workers > 1,
         )
         self._keep(self.envoy.process)
 
-    def _processor(self, port: int | None = None) -> Processor:
-        assert self.config is not None and self.redis is not None
-        p = Processor.start(
-            self.config,
-            self.workdir,
-            self.redis.url,
-            port=port,
-            drain_delay_s=HEALTH.drain_delay_s,
-            log_level="info",
+    def _start_cluster(self) -> None:
+        s = self.s
+        self.cluster = RedisClusterSet.start(self.workdir / "cluster", masters=s.masters)
+        for node in self.cluster.nodes:
+            self._keep(node.process)
+        self.cluster.wait_replicas_synced()
+        self.shards = self.cluster.topology()
+        by_port = self.cluster.tenants_on_masters(
+            per_master=-(-s.tenants // s.masters), stem="chaos-"
         )
+        self.masters = self.slot_order()
+        names = []
+        for i in range(s.tenants):
+            master = i % s.masters
+            names.append(by_port[self.masters[master]][i // s.masters])
+            self.tenant_master[names[-1]] = master
+        self.tenants = names
+
+    def slot_order(self) -> list[int]:
+        """The live masters' ports, ordered by the first slot each serves."""
+        assert self.cluster is not None
+        node = self.cluster.live_nodes()[0]
+        shards = node.client().execute_command("CLUSTER SLOTS")
+        firsts: dict[int, int] = {}
+        for start, _end, master, *_ in shards:
+            port = int(master[1])
+            firsts[port] = min(firsts.get(port, start), start)
+        return sorted(firsts, key=firsts.__getitem__)
+
+    def _processor(self, port: int | None = None) -> Processor | Supervisor:
+        assert self.config is not None
+        p: Processor | Supervisor
+        if self.s.workers > 1:
+            p = Supervisor.start(
+                self.config,
+                self.workdir,
+                self.s.workers,
+                self.redis_url,
+                port=port,
+                drain_delay_s=HEALTH.drain_delay_s,
+            )
+        else:
+            p = Processor.start(
+                self.config,
+                self.workdir,
+                self.redis_url,
+                port=port,
+                drain_delay_s=HEALTH.drain_delay_s,
+                log_level="info",
+            )
         self._keep(p.process)
         return p
 
@@ -194,18 +280,34 @@ class ChaosParts:
         return self.stopping or self.abort.is_set()
 
     def processor_pids(self) -> list[int]:
-        return [p.process.pid for p in self.processors if p is not None]
+        """The processes that serve streams: each processor, or each worker of one."""
+        pids: list[int] = []
+        for p in self.processors:
+            if isinstance(p, Supervisor):
+                pids += sorted(p.worker_pids().values())
+            elif p is not None:
+                pids.append(p.process.pid)
+        return pids
 
     def stop(self) -> None:
         with self._lock:
             self.stopping = True
             everything = list(self._everything)
+        # A supervisor drains its workers on SIGTERM; any it left (it was SIGKILLed after
+        # its stop timed out) are SIGKILLed below, by the pids it had.
+        workers = [pid for p in self.processors if isinstance(p, Supervisor) for pid in
+                   p.worker_pids().values()]  # fmt: skip
         for process in reversed(everything):
             with contextlib.suppress(OSError):
                 if process.proc.poll() is None:
                     with contextlib.suppress(OSError):
                         os.kill(process.pid, signal.SIGCONT)  # a paused Redis can't stop
                 process.stop()
+        for pid in workers:
+            with contextlib.suppress(OSError):
+                # Still that worker (its pid not reused): our config on its command line.
+                if str(self.config).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
 
     # --- faults -----------------------------------------------------------------------
 
@@ -249,7 +351,28 @@ class ChaosParts:
         a.ended_s = time.time()
 
     def _redis_kill(self, f: Fault) -> None:
+        if f.master is not None:
+            self._master_kill(f.master)
+            return
         self._redis_down(f, signal.SIGKILL, "redis_kill", f.for_s)
+
+    def _master_kill(self, index: int) -> None:
+        """SIGKILL master ``index`` (slot order at the start); it stays down: its replica
+        takes over once the others vote it failed (cluster-node-timeout 1 s, then ~1-2 s).
+        The fault ends when every live node agrees on the new master."""
+        assert self.cluster is not None
+        port = self.masters[index]
+        node = self.cluster.node(port)
+        a = self._record("redis_kill", f"master {index} port {port} pid {node.process.pid}")
+        self.killed_masters.append((index, a.started_s))
+        node.kill()
+        try:
+            self.cluster.wait_master_changed(port, timeout_s=60)
+        finally:
+            a.ended_s = time.time()
+        new = next((m for m in self.cluster.topology() if m not in self.masters), None)
+        a.note = f"failed over to replica port {new}" if new else "failed over"
+        self.failovers.append({"master": index, "old_port": port, "new_port": new})
 
     def _redis_restart(self, f: Fault) -> None:
         self._redis_down(f, signal.SIGTERM, "redis_restart", f.for_s)
@@ -262,6 +385,7 @@ class ChaosParts:
         a = self._record(kind, f"processor {f.index} pid {p.process.pid}")
         if sig == signal.SIGKILL:
             self.killed_at.append(a.started_s)
+            self.killed_pids.append(p.process.pid)
         p.process.signal(sig)
         p.process.proc.wait(30)
         p.stop()
@@ -274,7 +398,58 @@ class ChaosParts:
         a.ended_s = time.time()
 
     def _processor_kill(self, f: Fault) -> None:
+        if f.worker is not None:
+            self._worker_kill(f)
+            return
         self._processor_down(f, signal.SIGKILL, "processor_kill")
+
+    def _worker_kill(self, f: Fault) -> None:
+        """SIGKILL worker ``f.worker`` of processor ``f.index``; its supervisor starts a new
+        one on the same port: the fault ends once that one answers /metrics."""
+        assert f.worker is not None
+        p = self.processors[f.index]
+        target = f"processor {f.index} worker {f.worker}"
+        if not isinstance(p, Supervisor):
+            self._record("processor_kill", target, note="no supervisor").ended_s = time.time()
+            return
+        worker = f.worker
+        waited = ""
+        if f.min_open:
+            deadline = time.monotonic() + MIN_OPEN_WAIT_S
+            held = 0
+            while time.monotonic() < deadline and not self.ending:
+                held = worker_open(p, worker)
+                if held >= f.min_open:
+                    break
+                time.sleep(0.02)
+            waited = f"holding {held} open streams; "
+        pid = p.worker_pids().get(worker)
+        if pid is None:
+            self._record("processor_kill", target, note="already down").ended_s = time.time()
+            return
+        a = self._record("processor_kill", f"{target} pid {pid}")
+        self.killed_at.append(a.started_s)
+        self.killed_pids.append(pid)
+        os.kill(pid, signal.SIGKILL)
+        try:
+
+            def replaced() -> int:
+                q = p.worker_pids().get(worker)
+                return q if q not in (None, pid) and p.answers(worker) else 0
+
+            new = wait_for(
+                replaced,
+                f"worker {worker} replaced",
+                timeout_s=90,
+            )
+        except TimeoutError as exc:
+            a.note = f"not replaced: {exc}"
+        else:
+            a.note = f"{waited}replaced by pid {new}"
+            self.replaced.append(
+                {"processor": f.index, "worker": worker, "killed_pid": pid, "new_pid": new}
+            )
+        a.ended_s = time.time()
 
     def _processor_term(self, f: Fault) -> None:
         self._processor_down(f, signal.SIGTERM, "processor_term")

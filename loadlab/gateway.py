@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import signal
 import sys
 import time
 import urllib.error
@@ -18,10 +21,11 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loadlab.metrics import parse_metrics
-from loadlab.procs import ManagedProcess, free_port
+from loadlab.procs import ManagedProcess, free_port, free_port_run
 from stack.envoy import EnvoyPorts, ProcessorHealthCheck, envoy_argv, render_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
+HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
 def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, str]:
@@ -133,6 +137,105 @@ class Processor:
 
 
 @dataclass
+class Supervisor:
+    """``extproc serve --workers N`` on one port (SO_REUSEPORT): the supervisor process and
+    its workers, worker ``i`` serving /metrics on ``metrics_port + i``."""
+
+    process: ManagedProcess
+    port: int
+    metrics_port: int
+    workers: int
+
+    @classmethod
+    def start(
+        cls,
+        config_path: Path,
+        log_dir: Path,
+        workers: int,
+        redis_url: str | None = None,
+        port: int | None = None,
+        drain_delay_s: float = 0.0,
+        log_level: str = "info",
+        timeout_s: float = 90.0,
+    ) -> Supervisor:
+        """Ready once every worker serves gRPC and /metrics (a worker warms its tokenizers
+        first: slow on a loaded machine, hence the generous ``timeout_s``)."""
+        port = port or free_port()
+        metrics_port = free_port_run(workers)
+        argv = [
+            sys.executable, "-m", "extproc", "serve",
+            "--config", str(config_path),
+            "--listen", f"127.0.0.1:{port}",
+            "--workers", str(workers),
+            "--metrics-listen", f"127.0.0.1:{metrics_port}",
+            "--drain-delay-s", str(drain_delay_s),
+            "--log-level", log_level,
+        ]  # fmt: skip
+        if redis_url:
+            argv += ["--redis-url", redis_url]
+        process = ManagedProcess(argv, log_dir / f"workers-{port}.log", cwd=ROOT)
+        sup = cls(process, port, metrics_port, workers)
+        try:
+            process.wait_ready(sup.ready, timeout_s=timeout_s)
+        except BaseException:
+            sup.stop()
+            raise
+        return sup
+
+    def worker_pids(self) -> dict[int, int]:
+        """Worker index → pid of the live workers, from /proc (the index from the metrics
+        port on the worker's command line)."""
+        out: dict[int, int] = {}
+        sup = self.process.pid
+        try:
+            children = Path(f"/proc/{sup}/task/{sup}/children").read_text().split()
+        except OSError:
+            return out
+        for pid in map(int, children):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            except OSError:
+                continue
+            if "--metrics-listen" in argv:
+                port = int(argv[argv.index("--metrics-listen") + 1].rpartition(":")[2])
+                out[port - self.metrics_port] = pid
+        return out
+
+    def answers(self, worker: int) -> bool:
+        try:
+            http_get(f"http://127.0.0.1:{self.metrics_port + worker}/metrics", 0.5)
+            return True
+        except OSError:
+            return False
+
+    def ready(self) -> bool:
+        return len(self.worker_pids()) == self.workers and all(
+            self.answers(i) for i in range(self.workers)
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """Every live worker's metrics, summed (a worker that is not answering is left out)."""
+        total: dict[str, float] = {}
+        for i in range(self.workers):
+            try:
+                _, text = http_get(f"http://127.0.0.1:{self.metrics_port + i}/metrics")
+            except OSError:
+                continue
+            for name, value in parse_metrics(text).items():
+                total[name] = total.get(name, 0.0) + value
+        return total
+
+    def stop(self) -> int:
+        """By PID: the supervisor (it drains its workers), then any worker left behind."""
+        left = self.worker_pids()
+        code = self.process.stop(timeout_s=30)
+        for pid in left.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return code
+
+
+@dataclass
 class Envoy:
     process: ManagedProcess
     ports: EnvoyPorts
@@ -150,19 +253,30 @@ class Envoy:
         backend_ports: list[int],
         buffer_limit_bytes: int = (1 << 20) + 65536,
         health_check: ProcessorHealthCheck | None = None,
+        stream_per_processor_connection: bool = False,
     ) -> Envoy:
-        """``health_check``: the processors' health check (None: the shipped one)."""
+        """``health_check``: the processors' health check (None: the shipped one).
+        ``stream_per_processor_connection``: each processor connection is retired after one
+        stream, so the kernel picks a worker of a ``serve --workers N`` port per stream
+        (Envoy otherwise keeps one long-lived HTTP/2 connection per worker thread)."""
         ports = EnvoyPorts(listen=free_port(), admin=free_port())
         config_path = log_dir / f"envoy-{ports.listen}.yaml"
-        config_path.write_text(
-            render_bootstrap(
-                ports,
-                processor_ports,
-                backend_ports,
-                buffer_limit_bytes,
-                health_check or ProcessorHealthCheck(),
-            )
+        text = render_bootstrap(
+            ports,
+            processor_ports,
+            backend_ports,
+            buffer_limit_bytes,
+            health_check or ProcessorHealthCheck(),
         )
+        if stream_per_processor_connection:
+            doc = yaml.safe_load(text)
+            cluster = next(
+                c for c in doc["static_resources"]["clusters"] if c["name"] == "quota_extproc"
+            )
+            options = cluster["typed_extension_protocol_options"][HTTP_OPTIONS]
+            options["common_http_protocol_options"] = {"max_requests_per_connection": 1}
+            text = yaml.safe_dump(doc)
+        config_path.write_text(text)
         return cls.launch(config_path, ports, log_dir / f"envoy-{ports.listen}.log")
 
     @classmethod

@@ -32,6 +32,29 @@ from tests.tools.conftest import ROOT, write_scenario
          "simulator.malformed_rate"),  # the real simulator has no such chaos
         ({"simulator": {"profile": "no-such-profile.yaml"}}, "simulator.profile"),
         ({"load": {"rats": 3}}, "load.rats"),
+        # A cluster and workers (benchmarks/chaos/crash.yaml)
+        ({"redis": {"mode": "sharded"}}, "redis.mode"),
+        ({"redis": {"masters": 3}}, "redis.masters"),  # without mode: cluster
+        ({"redis": {"mode": "cluster", "masters": 2}}, "redis.masters"),
+        ({"redis": {"mode": "cluster", "replicas": 2}}, "redis.replicas"),
+        ({"redis": {"mode": "cluster"}, "faults": []}, "processor.tenants"),  # 2 for 3 masters
+        ({"faults": [{"at": "1s", "fault": "redis_kill", "master": 0}]}, "faults[0].master"),
+        ({"redis": {"mode": "cluster"}, "processor": {"tenants": 3},
+          "faults": [{"at": "1s", "fault": "redis_pause", "for": "1s"}]}, "faults[0].fault"),
+        ({"redis": {"mode": "cluster"}, "processor": {"tenants": 3},
+          "faults": [{"at": "1s", "fault": "redis_kill", "master": 3}]}, "faults[0].master"),
+        ({"redis": {"mode": "cluster"}, "processor": {"tenants": 3},
+          "faults": [{"at": "1s", "fault": "redis_kill", "master": 0, "for": "1s"}]},
+         "faults[0].for"),
+        ({"processor": {"workers": 0}}, "processor.workers"),
+        ({"processor": {"workers": 2}, "faults": [{"at": "1s", "fault": "processor_kill"}]},
+         "faults[0].worker"),
+        ({"processor": {"workers": 2},
+          "faults": [{"at": "1s", "fault": "processor_kill", "worker": 2}]}, "faults[0].worker"),
+        ({"processor": {"workers": 2},
+          "faults": [{"at": "1s", "fault": "processor_term", "worker": 0}]}, "faults[0].worker"),
+        ({"faults": [{"at": "1s", "fault": "processor_kill", "min_open": 2}]},
+         "faults[0].min_open"),
     ],
 )  # fmt: skip
 def test_a_bad_scenario_exits_2_naming_the_key(
