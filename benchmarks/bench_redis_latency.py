@@ -326,6 +326,8 @@ async def budget_level(
         "over_budget": max(0, charged - limit),
         "windows": len(windows),
         "all_settled": ok,
+        # Demand ran into the budget (a refusal or a cut): else utilisation says little.
+        "exhausted": outcomes.get("refused", 0) + outcomes.get("cut", 0) > 0,
         "outcomes": dict(sorted(outcomes.items())),
         "events_waited": int(after.get(WAITED, 0) - before.get(WAITED, 0)),
         "events": int(after.get(EVENTS, 0) - before.get(EVENTS, 0)),
@@ -420,7 +422,7 @@ def rows_of(cells: list[Cell], infos: list[dict[str, Any]]) -> list[list[str]]:
                 f"{d['ttft_envoy_ms']['p50']:.1f} / {d['ttft_processor_ms']['p50']:.1f}",
                 f"{c.waited:,} / {c.events:,}",
                 _waits(c.lease_waits),
-                "-" if b is None else f"{b['utilisation']:.3f}",
+                "-" if b is None else f"{b['utilisation']:.3f}" + ("" if b["exhausted"] else "*"),
                 "-" if b is None else f"{b['over_budget']}",
                 "-" if b is None else f"{b['events_waited']:,} / {b['events']:,}",
                 "-" if c.processor_cpu is None else f"{c.processor_cpu:.2f}",
@@ -509,6 +511,11 @@ def main(argv: list[str] | None = None) -> int:
             text,
             "",
             *relay_lines,
+            *(
+                ["* the budget phase ended before its budget did: --budget-s longer"]
+                if any(c.budget and not c.budget["exhausted"] for c in cells)
+                else []
+            ),
             target,
             f"load average at start {load_start}, at end {load_end}; "
             f"{time.monotonic() - started:.0f} s",
