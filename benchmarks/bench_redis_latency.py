@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import statistics
 import sys
 import time
@@ -152,10 +153,10 @@ def lease_waits(delta: dict[str, float]) -> dict[str, Any]:
         return {"count": 0, "mean_ms": None, "max_le_ms": None}
     bounds = []
     for key, value in delta.items():
-        if key.startswith(f'{name}_bucket{{le="') and key.endswith('"}'):
-            le = float(key[len(name) + 12 : -2])
-            if value >= count:
-                bounds.append(le)
+        # The sums per bound over every model and plan: name_bucket{le="0.005"}
+        found = re.fullmatch(rf'{name}_bucket\{{le="([^"]+)"\}}', key)
+        if found and value >= count:
+            bounds.append(float(found[1]))
     top = min(bounds) if bounds else float("inf")
     return {
         "count": count,
