@@ -2,12 +2,13 @@
 
 A delaying TCP relay (``loadlab.delay_relay``, its own process) sits between the processor
 and redis-server and adds ``--rtt-ms`` to every round trip (half each way; 0: no relay, Redis
-direct). For each RTT a processor and an Envoy in front of it are started on the relay; one
-llmsim (``--itl-ms`` per token, no TTFT of its own) and one Envoy without ext_proc serve
-every RTT. At each ``--levels`` stream count, closed loop:
+direct). Every RTT gets a processor of its own on its own relay and an Envoy in front of
+it, all started at once; one llmsim (``--itl-ms`` per token, no TTFT of its own) and one
+Envoy without ext_proc serve them all. At each ``--levels`` stream count, closed loop:
 
-* **latency phases**: Envoy alone and Envoy + the processor, in alternating rounds (ABBA),
-  the same requests on both (``--output-tokens`` answers, a tenant whose limits are never
+* **latency phases**: Envoy alone and each RTT's route in turn, forward then backward
+  (ABBA…, ``--rounds``), so a change in the shared machine's load hits every RTT alike;
+  the same requests on all (``--output-tokens`` answers, a tenant whose limits are never
   reached). *TTFT added* = the processor route's TTFT percentile − Envoy alone's at the same
   level: the processor's hop, Redis round trips included. *Events waited* = SSE events the
   processor held back while a lease batch was being reserved
@@ -26,8 +27,8 @@ adds), and after the RTT's phases the relay's own lateness per chunk (how late i
 fired on this shared machine; never early).
 
     .venv/bin/python benchmarks/bench_redis_latency.py [--quick] [--rtt-ms 0,1,10,50,100]
-        [--levels 1,10,50] [--requests 20] [--rounds 2] [--output-tokens 100] [--itl-ms 10]
-        [--batch-tokens 32] [--budget-s 5] [--no-budget] [--out DIR]
+        [--levels 1,10,50] [--requests 10] [--rounds 2] [--output-tokens 100] [--itl-ms 10]
+        [--batch-tokens 32] [--budget-s 3] [--no-budget] [--out DIR]
 
 Targets (issue 24 item 5): no event waits at RTT ≤ 50 ms for streams of ≤ 100 tokens/s
 (10 ms ITL is 100 tokens/s); TTFT added grows by about one RTT while admission pays a round
@@ -42,6 +43,7 @@ import argparse
 import asyncio
 import os
 import re
+import signal
 import statistics
 import sys
 import time
@@ -60,6 +62,7 @@ from loadlab.delay_relay import RelayProcess, ping_rtt_ms
 from loadlab.engine import Engine, Phase, merge_rounds
 from loadlab.figures import percentile, table
 from loadlab.gateway import Processor, key_hash, write_config
+from loadlab.harness import raise_on_sigterm
 from loadlab.parts import Route, simulator_args
 from loadlab.procs import StopStack
 from loadlab.redis_server import RedisServer
@@ -97,8 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     quick = args.quick
     args.rtt_ms = args.rtt_ms or ([1.0, 50.0] if quick else [0.0, 1.0, 10.0, 50.0, 100.0])
     args.levels = args.levels or ([1, 10] if quick else [1, 10, 50])
-    args.requests = args.requests or (6 if quick else 20)
-    args.budget_s = args.budget_s or (2.0 if quick else 5.0)
+    args.requests = args.requests or (6 if quick else 10)
+    args.budget_s = args.budget_s or (2.0 if quick else 3.0)
     if any(r < 0 for r in args.rtt_ms) or any(n < 1 for n in args.levels):
         p.error("--rtt-ms must be >= 0 and --levels >= 1")
     if args.out is None:
@@ -234,7 +237,7 @@ class RttRun:
         if self.relay is not None:
             pids["relay"] = self.relay.pid
         keys = [f"sk-{self.tenant('lat', li)}" for li in range(len(levels) + 1)]
-        route = Route("processor", "127.0.0.1", envoy.ports.listen, keys=keys, pids=pids)
+        route = Route(f"rtt-{self.rtt:g}", "127.0.0.1", envoy.ports.listen, keys=keys, pids=pids)
         return route, processor
 
     def stop(self) -> dict[str, Any] | None:
@@ -259,25 +262,28 @@ def scenario_for(args: argparse.Namespace, budget: bool) -> Scenario:
 
 
 async def latency_level(
-    engine: Engine, envoy: Route, route: Route, processor: Processor, li: int, rounds: int
-) -> tuple[Phase, Phase, dict[str, float]]:
-    """Envoy alone and the processor in ABBA rounds; the processor's counters over its own
-    rounds only."""
-    done: dict[str, list[Phase]] = {"envoy": [], "processor": []}
-    deltas: dict[str, float] = {}
+    engine: Engine, envoy: Route, started: list[tuple[Route, Processor]], li: int, rounds: int
+) -> tuple[Phase, list[tuple[Phase, dict[str, float]]]]:
+    """Envoy alone and every RTT's processor route in turn, forward then backward (ABBA…),
+    so a change in the machine's load hits all alike; each processor's counters over its
+    own rounds only."""
+    routes = [envoy, *(route for route, _ in started)]
+    done: list[list[Phase]] = [[] for _ in routes]
+    deltas: list[dict[str, float]] = [{} for _ in started]
     for r in range(rounds):
-        order = (envoy, route) if r % 2 == 0 else (route, envoy)
-        for rt in order:
-            if rt is route:
-                before = processor.metrics()
-                phase = await engine.run_phase(rt, li, round_index=r)
-                after = processor.metrics()
-                for k, v in after.items():
-                    deltas[k] = deltas.get(k, 0.0) + v - before.get(k, 0.0)
-            else:
-                phase = await engine.run_phase(rt, li, round_index=r)
-            done[rt.name].append(phase)
-    return merge_rounds(done["envoy"]), merge_rounds(done["processor"]), deltas
+        for k in range(len(routes)) if r % 2 == 0 else reversed(range(len(routes))):
+            if k == 0:
+                done[k].append(await engine.run_phase(envoy, li, round_index=r))
+                continue
+            processor = started[k - 1][1]
+            before = processor.metrics()
+            done[k].append(await engine.run_phase(routes[k], li, round_index=r))
+            after = processor.metrics()
+            delta = deltas[k - 1]
+            for key, value in after.items():
+                delta[key] = delta.get(key, 0.0) + value - before.get(key, 0.0)
+    phases = [merge_rounds(d) for d in done]
+    return phases[0], list(zip(phases[1:], deltas, strict=True))
 
 
 def settled(processor: Processor, before: dict[str, float], timeout_s: float = 20.0) -> bool:
@@ -303,7 +309,7 @@ async def budget_level(
     level = run.args.levels[li]
     tenant = run.tenant("bud", li)
     budget_route = Route(
-        "processor-budget",
+        f"{route.name}-budget",
         route.host,
         route.port,
         keys=[f"sk-{run.tenant('bud', i)}" for i in range(len(run.args.levels))],
@@ -336,65 +342,62 @@ async def budget_level(
     }
 
 
-def run_rtt(
-    args: argparse.Namespace,
-    index: int,
-    redis: RedisServer,
-    sim_port: int,
-    envoy_route: Route,
-    logs: Path,
-) -> tuple[list[Cell], dict[str, Any]]:
-    run = RttRun(args, index, redis, sim_port, logs)
-    cells: list[Cell] = []
-    info: dict[str, Any] = {"rtt_ms": run.rtt}
-    try:
-        route, processor = run.start()
-        port = run.relay.port if run.relay is not None else redis.port
-        pings = ping_rtt_ms(port, PINGS)
-        info["ping_ms"] = {
-            "median": round(statistics.median(pings), 3),
-            "min": round(min(pings), 3),
-        }
-        print(
-            f"RTT {run.rtt:g} ms: PING through {'the relay' if run.relay else 'nothing'} "
-            f"median {info['ping_ms']['median']:.2f} ms (min {info['ping_ms']['min']:.2f})",
-            flush=True,
-        )
-        lat, bud = Engine(scenario_for(args, False)), Engine(scenario_for(args, True))
-        rclient = redis_lib.Redis(port=redis.port, decode_responses=True)
+def ping(run: RttRun, redis: RedisServer) -> dict[str, Any]:
+    port = run.relay.port if run.relay is not None else redis.port
+    pings = ping_rtt_ms(port, PINGS)
+    out = {"median": round(statistics.median(pings), 3), "min": round(min(pings), 3)}
+    print(
+        f"RTT {run.rtt:g} ms: PING through {'the relay' if run.relay else 'nothing'} "
+        f"median {out['median']:.2f} ms (min {out['min']:.2f})",
+        flush=True,
+    )
+    return out
 
-        async def measure() -> None:
+
+def measure(
+    args: argparse.Namespace,
+    runs: list[RttRun],
+    started: list[tuple[Route, Processor]],
+    envoy_route: Route,
+    redis: RedisServer,
+) -> list[Cell]:
+    lat, bud = Engine(scenario_for(args, False)), Engine(scenario_for(args, True))
+    rclient = redis_lib.Redis(port=redis.port, decode_responses=True)
+    cells: list[Cell] = []
+
+    async def levels() -> None:
+        await lat.warm(envoy_route)
+        for route, _ in started:
             await lat.warm(route)
-            for li, level in enumerate(args.levels):
-                env_phase, proc_phase, delta = await latency_level(
-                    lat, envoy_route, route, processor, li, args.rounds
-                )
+        for li, level in enumerate(args.levels):
+            env_phase, measured = await latency_level(lat, envoy_route, started, li, args.rounds)
+            for run, (phase, delta), (route, processor) in zip(
+                runs, measured, started, strict=True
+            ):
                 cell = Cell(
                     run.rtt,
                     level,
                     ttft(env_phase),
-                    ttft(proc_phase),
+                    ttft(phase),
                     events=int(delta.get(EVENTS, 0)),
                     waited=int(delta.get(WAITED, 0)),
                     lease_waits=lease_waits(delta),
-                    processor_cpu=round(proc_phase.cpu_share.get("processor", 0.0), 3),
+                    processor_cpu=round(phase.cpu_share.get("processor", 0.0), 3),
                     failed=sum(
-                        1 for p in (env_phase, proc_phase) for r in p.records if r.outcome != "ok"
+                        1 for p in (env_phase, phase) for r in p.records if r.outcome != "ok"
                     ),
-                    phases=(env_phase, proc_phase),
+                    phases=(env_phase, phase) if run is runs[0] else (phase,),
                 )
                 if not args.no_budget:
                     cell.budget = await budget_level(bud, run, route, processor, li, rclient)
                 cells.append(cell)
-                print(f"  {level} streams: {_line(cell)}", flush=True)
+                print(f"  RTT {run.rtt:g} ms, {level} streams: {_line(cell)}", flush=True)
 
-        try:
-            asyncio.run(measure())
-        finally:
-            rclient.close()
+    try:
+        asyncio.run(levels())
     finally:
-        info["relay"] = run.stop()
-    return cells, info
+        rclient.close()
+    return sorted(cells, key=lambda c: (c.rtt_ms, c.level))
 
 
 def _line(cell: Cell) -> str:
@@ -457,6 +460,8 @@ HEADERS = [
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM as Ctrl-C: the finally below stops every part by PID either way.
+    signal.signal(signal.SIGTERM, raise_on_sigterm)
     out: Path = args.out
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -470,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     cells: list[Cell] = []
     infos: list[dict[str, Any]] = []
+    relay_stats: dict[float, dict[str, Any] | None] = {}
     stops = StopStack()
     try:
         redis = stops.push(RedisServer.start(logs / "redis"))
@@ -481,12 +487,16 @@ def main(argv: list[str] | None = None) -> int:
             "envoy", "127.0.0.1", envoy.ports.listen, pids={"envoy": envoy.process.pid}
         )
         asyncio.run(Engine(probe).warm(envoy_route))
-        for index in range(len(args.rtt_ms)):
-            got, info = run_rtt(args, index, redis, sim.port, envoy_route, logs)
-            cells += got
-            infos.append(info)
+        runs = [RttRun(args, i, redis, sim.port, logs) for i in range(len(args.rtt_ms))]
+        for run in runs:
+            stops.call(lambda run=run: relay_stats.__setitem__(run.rtt, run.stop()))
+        parts = [run.start() for run in runs]
+        infos = [{"rtt_ms": run.rtt, "ping_ms": ping(run, redis)} for run in runs]
+        cells = measure(args, runs, parts, envoy_route, redis)
     finally:
         stops.stop()
+    for info in infos:
+        info["relay"] = relay_stats.get(info["rtt_ms"])
     load_end = [round(x, 2) for x in os.getloadavg()]
     text = table(HEADERS, rows_of(cells, infos))
     relay_lines = [
@@ -537,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in cells:
             for phase in c.phases:
                 for record in phase.records:
-                    doc = record.to_doc() | {"rtt_ms": c.rtt_ms}
+                    rtt = None if record.route == "envoy" else c.rtt_ms
+                    doc = record.to_doc() | {"rtt_ms": rtt}
                     doc.pop("chunk_latency_us")
                     doc.pop("chunk_arrival_ms")
                     doc.pop("itl_ms")

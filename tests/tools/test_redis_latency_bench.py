@@ -115,5 +115,5 @@ def test_quick_benchmark_runs_end_to_end_and_writes_its_report(tmp_path: Path) -
         assert 0 < budget["charged_tokens"] <= budget["budget_tokens"] * budget["windows"]
         assert budget["over_budget"] == 0
     routes = {json.loads(line)["route"] for line in (out / "records.jsonl").open()}
-    assert routes == {"envoy", "processor"}
+    assert routes == {"envoy", "rtt-1", "rtt-50"}
     assert "TTFT added" in (out / "table.txt").read_text()
