@@ -10,7 +10,8 @@ Envoy without ext_proc serve them all. At each ``--levels`` stream count, closed
   (ABBA…, ``--rounds``), so a change in the shared machine's load hits every RTT alike;
   the same requests on all (``--output-tokens`` answers, a tenant whose limits are never
   reached). *TTFT added* = the processor route's TTFT percentile − Envoy alone's at the same
-  level: the processor's hop, Redis round trips included. *Events waited* = SSE events the
+  level: the processor's hop, Redis round trips included (*E2EL added*, the same for the
+  last token). *Events waited* = SSE events the
   processor held back while a lease batch was being reserved
   (``extproc_events_waited_total``, the figure ``extproc bench`` reports as
   ``events_waited_on_redis``), over the events it metered (``extproc_sse_events_total``),
@@ -123,6 +124,7 @@ class Cell:
     processor_cpu: float | None
     failed: int
     budget: dict[str, Any] | None = None
+    e2el_added: dict[str, float] | None = None  # end to end, processor − Envoy alone
     phases: tuple[Phase, ...] = ()  # for records.jsonl
 
     def to_doc(self) -> dict[str, Any]:
@@ -133,6 +135,7 @@ class Cell:
             "ttft_added_ms": added,
             "ttft_envoy_ms": self.ttft_envoy,
             "ttft_processor_ms": self.ttft_processor,
+            "e2el_added_ms": self.e2el_added,
             "events_waited": self.waited,
             "events": self.events,
             "lease_waits": self.lease_waits,
@@ -142,9 +145,14 @@ class Cell:
         }
 
 
-def ttft(phase: Phase) -> dict[str, float]:
-    samples = [r.ttft_ms for r in phase.records if r.ttft_ms is not None]
+def ttft(phase: Phase, attr: str = "ttft_ms") -> dict[str, float]:
+    samples = [getattr(r, attr) for r in phase.records if getattr(r, attr) is not None]
     return {q: round(percentile(samples, int(q[1:])), 3) for q in ("p50", "p99")}
+
+
+def added(phase: Phase, base: Phase, attr: str) -> dict[str, float]:
+    mine, theirs = ttft(phase, attr), ttft(base, attr)
+    return {q: round(mine[q] - theirs[q], 3) for q in mine}
 
 
 def lease_waits(delta: dict[str, float]) -> dict[str, Any]:
@@ -387,6 +395,7 @@ def measure(
                         1 for p in (env_phase, phase) for r in p.records if r.outcome != "ok"
                     ),
                     phases=(env_phase, phase) if run is runs[0] else (phase,),
+                    e2el_added=added(phase, env_phase, "e2el_ms"),
                 )
                 if not args.no_budget:
                     cell.budget = await budget_level(bud, run, route, processor, li, rclient)
@@ -424,6 +433,7 @@ def rows_of(cells: list[Cell], infos: list[dict[str, Any]]) -> list[list[str]]:
                 str(c.level),
                 f"{d['ttft_added_ms']['p50']:.1f} / {d['ttft_added_ms']['p99']:.1f}",
                 f"{d['ttft_envoy_ms']['p50']:.1f} / {d['ttft_processor_ms']['p50']:.1f}",
+                "-" if c.e2el_added is None else f"{c.e2el_added['p50']:.1f}",
                 f"{c.waited:,} / {c.events:,}",
                 _waits(c.lease_waits),
                 "-" if b is None else f"{b['utilisation']:.3f}" + ("" if b["exhausted"] else "*"),
@@ -448,6 +458,7 @@ HEADERS = [
     "streams",
     "TTFT added p50/p99 ms",
     "TTFT p50 envoy/proc",
+    "E2EL added p50",
     "events waited / total",
     "lease waits (ms)",
     "utilisation",
