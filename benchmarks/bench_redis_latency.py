@@ -11,8 +11,10 @@ Envoy without ext_proc serve them all. At each ``--levels`` stream count, closed
   the same requests on all (``--output-tokens`` answers, a tenant whose limits are never
   reached). *TTFT added* = the processor route's TTFT percentile − Envoy alone's at the same
   level: the processor's hop, Redis round trips included (*E2EL added*, the same for the
-  last token). *Events waited* = SSE events the
-  processor held back while a lease batch was being reserved
+  last token). Before each level one request goes to the level's tenant alone, not in
+  those figures: a tenant new to the processor pays a second round trip (the liveness
+  registration before its first charge); its TTFT is the *new tenant's TTFT* column.
+  *Events waited* = SSE events the processor held back while a lease batch was being reserved
   (``extproc_events_waited_total``, the figure ``extproc bench`` reports as
   ``events_waited_on_redis``), over the events it metered (``extproc_sse_events_total``),
   the counters' change over the processor's phases. The processor's CPU share is its CPU
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import re
 import signal
@@ -125,6 +128,7 @@ class Cell:
     failed: int
     budget: dict[str, Any] | None = None
     e2el_added: dict[str, float] | None = None  # end to end, processor − Envoy alone
+    first_ttft: float | None = None  # the tenant's first request at this processor
     phases: tuple[Phase, ...] = ()  # for records.jsonl
 
     def to_doc(self) -> dict[str, Any]:
@@ -136,6 +140,7 @@ class Cell:
             "ttft_envoy_ms": self.ttft_envoy,
             "ttft_processor_ms": self.ttft_processor,
             "e2el_added_ms": self.e2el_added,
+            "first_request_ttft_ms": self.first_ttft,
             "events_waited": self.waited,
             "events": self.events,
             "lease_waits": self.lease_waits,
@@ -371,6 +376,7 @@ def measure(
     redis: RedisServer,
 ) -> list[Cell]:
     lat, bud = Engine(scenario_for(args, False)), Engine(scenario_for(args, True))
+    one = Engine(dataclasses.replace(scenario_for(args, False), requests=1, rounds=0, interleave=1))
     rclient = redis_lib.Redis(port=redis.port, decode_responses=True)
     cells: list[Cell] = []
 
@@ -379,6 +385,10 @@ def measure(
         for route, _ in started:
             await lat.warm(route)
         for li, level in enumerate(args.levels):
+            # One request first on the level's tenant, not in the figures: a tenant new to a
+            # processor pays one more round trip (the liveness registration, before its
+            # first charge), which would be the whole first wave of a closed loop.
+            first = [await one.run_phase(route, li) for route, _ in started]
             env_phase, measured = await latency_level(lat, envoy_route, started, li, args.rounds)
             for run, (phase, delta), (route, processor) in zip(
                 runs, measured, started, strict=True
@@ -397,6 +407,7 @@ def measure(
                     ),
                     phases=(env_phase, phase) if run is runs[0] else (phase,),
                     e2el_added=added(phase, env_phase, "e2el_ms"),
+                    first_ttft=first[runs.index(run)].records[0].ttft_ms,
                 )
                 if not args.no_budget:
                     cell.budget = await budget_level(bud, run, route, processor, li, rclient)
@@ -435,6 +446,7 @@ def rows_of(cells: list[Cell], infos: list[dict[str, Any]]) -> list[list[str]]:
                 f"{d['ttft_added_ms']['p50']:.1f} / {d['ttft_added_ms']['p99']:.1f}",
                 f"{d['ttft_envoy_ms']['p50']:.1f} / {d['ttft_processor_ms']['p50']:.1f}",
                 "-" if c.e2el_added is None else f"{c.e2el_added['p50']:.1f}",
+                "-" if c.first_ttft is None else f"{c.first_ttft:.1f}",
                 f"{c.waited:,} / {c.events:,}",
                 _waits(c.lease_waits),
                 "-" if b is None else f"{b['utilisation']:.3f}" + ("" if b["exhausted"] else "*"),
@@ -460,6 +472,7 @@ HEADERS = [
     "TTFT added p50/p99 ms",
     "TTFT p50 envoy/proc",
     "E2EL added p50",
+    "new tenant's TTFT",
     "events waited / total",
     "lease waits (ms)",
     "utilisation",
