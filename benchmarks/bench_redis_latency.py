@@ -202,7 +202,10 @@ class RttRun:
         args = self.args
         per_request = PROMPT_WORDS + CHAT_OVERHEAD + args.output_tokens
         seconds_per_request = args.output_tokens * args.itl_ms / 1000
-        return round(level * per_request / seconds_per_request * args.budget_s)
+        whole = round(level * per_request / seconds_per_request * args.budget_s)
+        # Half a request more: the budget ends inside an answer, so the last lease is a
+        # partial grant and a stream is cut there, as a real budget ends.
+        return whole + per_request // 2
 
     def start(self) -> tuple[Route, Processor]:
         args = self.args
