@@ -35,7 +35,7 @@ fired on this shared machine; never early).
 
 Targets (issue 24 item 5): no event waits at RTT ≤ 50 ms for streams of ≤ 100 tokens/s
 (10 ms ITL is 100 tokens/s); TTFT added grows by about one RTT while admission pays a round
-trip (≈ 0 once admission no longer does). Runtime about 8 minutes on 2 cores (``--quick``:
+trip (≈ 0 once admission no longer does). Runtime about 5 minutes on 2 cores (``--quick``:
 RTT 1 and 50 ms at 1 and 10 streams, about a minute). Writes ``report.json`` and
 ``table.txt`` to ``--out`` (default ``results/redis-latency-<UTC time>``).
 """
