@@ -37,6 +37,13 @@ def raise_on_sigterm(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+def raise_on_sigint(signum: int, frame: object) -> None:
+    # Not asyncio.run's own handler: that one cancels the main task, and a cancellation that
+    # meets a finishing timeout or wait_for inside it can be lost, so the run went on to the
+    # end and exited 0 (seen under load). Raised here, it ends the loop as SIGTERM does.
+    raise KeyboardInterrupt()
+
+
 def shield_stops() -> None:
     """While the parts are stopped, a second Ctrl-C or SIGTERM mustn't cut the stops short."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -87,6 +94,7 @@ class Run:
         interrupt; the parts stopped by PID whatever happens. None when it did not finish:
         ``exit_code`` says why and the reason is printed."""
         previous = signal.signal(signal.SIGTERM, raise_on_sigterm)
+        signal.signal(signal.SIGINT, raise_on_sigint)
         try:
             with Live(quiet) as live:
                 return work(live)
