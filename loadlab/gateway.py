@@ -21,7 +21,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loadlab.metrics import parse_metrics
-from loadlab.procs import ManagedProcess, free_port, free_port_run
+from loadlab.procs import ManagedProcess, child_pids_by_metrics_port, free_port, free_port_run
 from stack.envoy import EnvoyPorts, ProcessorHealthCheck, envoy_argv, render_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,23 +183,8 @@ class Supervisor:
         return sup
 
     def worker_pids(self) -> dict[int, int]:
-        """Worker index → pid of the live workers, from /proc (the index from the metrics
-        port on the worker's command line)."""
-        out: dict[int, int] = {}
-        sup = self.process.pid
-        try:
-            children = Path(f"/proc/{sup}/task/{sup}/children").read_text().split()
-        except OSError:
-            return out
-        for pid in map(int, children):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            except OSError:
-                continue
-            if "--metrics-listen" in argv:
-                port = int(argv[argv.index("--metrics-listen") + 1].rpartition(":")[2])
-                out[port - self.metrics_port] = pid
-        return out
+        """Worker index → pid of the live workers."""
+        return child_pids_by_metrics_port(self.process.pid, self.metrics_port)
 
     def answers(self, worker: int) -> bool:
         try:

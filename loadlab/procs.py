@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,10 +28,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def free_port_run(count: int, attempts: int = 50) -> int:
-    """The first of ``count`` consecutive free loopback ports (for multi-worker processes)."""
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_run(count: int, attempts: int = 200) -> int:
+    """The first of ``count`` consecutive free loopback ports (for multi-worker processes).
+
+    Drawn below the kernel's ephemeral range: a port there is never what another process's
+    bind to port 0 (``free_port``) is handed between this check and the child's own bind
+    (seen with parallel test workers: a worker's metrics port taken meanwhile)."""
+    top = _ephemeral_low() - count
     for _ in range(attempts):
-        first = free_port()
+        first = random.randrange(20000, top) if top > 20000 else free_port()
         socks = []
         try:
             for offset in range(count):
@@ -44,6 +57,25 @@ def free_port_run(count: int, attempts: int = 50) -> int:
             for sock in socks:
                 sock.close()
     raise RuntimeError(f"no run of {count} free ports found")
+
+
+def child_pids_by_metrics_port(parent: int, first_metrics_port: int) -> dict[int, int]:
+    """Worker index → pid of a supervisor's live workers, from /proc (the index from the
+    metrics port on the worker's command line)."""
+    out: dict[int, int] = {}
+    try:
+        children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    except OSError:
+        return out
+    for pid in map(int, children):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if "--metrics-listen" in argv:
+            port = int(argv[argv.index("--metrics-listen") + 1].rpartition(":")[2])
+            out[port - first_metrics_port] = pid
+    return out
 
 
 class ManagedProcess:

@@ -30,7 +30,7 @@ import yaml
 from extproc.app.workers import FIRST_RESTART_DELAY_S, MAX_QUICK_DEATHS, MAX_RESTART_DELAY_S
 from loadlab.gateway import ROOT, Envoy, grpc_serving, http_get, wait_until
 from loadlab.metrics import parse_metrics
-from loadlab.procs import ManagedProcess, free_port, free_port_run
+from loadlab.procs import ManagedProcess, child_pids_by_metrics_port, free_port, free_port_run
 from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
 from stack.envoy import EnvoyPorts, render_bootstrap
@@ -58,23 +58,8 @@ class Workers:
         return self.metrics + worker
 
     def pids(self) -> dict[int, int]:
-        """Worker index → pid of the live workers, from /proc (the index from the metrics
-        port on the worker's command line)."""
-        out: dict[int, int] = {}
-        sup = self.process.pid
-        try:
-            children = Path(f"/proc/{sup}/task/{sup}/children").read_text().split()
-        except OSError:
-            return out
-        for pid in map(int, children):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            except OSError:
-                continue
-            if "--metrics-listen" in argv:
-                port = int(argv[argv.index("--metrics-listen") + 1].rpartition(":")[2])
-                out[port - self.metrics] = pid
-        return out
+        """Worker index → pid of the live workers."""
+        return child_pids_by_metrics_port(self.process.pid, self.metrics)
 
     def counter(self, worker: int, name: str) -> int:
         """One counter of one worker; summed over labels (``extproc_requests_refused_total{…}``)."""
