@@ -78,6 +78,42 @@ is what the settling processor's own retries need (a retry within it gets
 record's TTL and writes its tombstone for ``tombstone_ttl_s``: an admit may still be queued
 for that key. A processor that dies leaves its open records to its peers
 (``extproc.quota.liveness.orphans``).
+
+Admission blocks (issue 24): a processor admits a busy tenant's requests locally against a
+share of its budget charged in the backend beforehand, and records each request off the
+request path. A block is a reservation record like a request's (key ``keys.block_key``:
+the request id ``~block.<owner>.<n>``), owned, in its owner's open set and counted open,
+so a dead processor's block is settled by a peer's orphan mode as fully used (what a dead
+processor held is charged, never free), with its ledger entry.
+
+* ``take_block(request, requests)`` is ``admit`` on ``request.reservation_key`` (the block
+  key), all or none, charging ``requests`` on every request counter and ``request.tokens ×
+  max(input weight, output weight)`` on every token counter (so any split of those tokens
+  fits); shadow counters are charged and never refuse. A refusal charges nothing (never
+  counts the attempt; no soft refusal). The record also holds the request slots left
+  (``rq``) and per request counter's window the slots it may give back (``q`` .. window).
+  ``Block.valid_s``: seconds (server clock) until the first of the charged windows ends (a
+  fixed or calendar window's end; a sliding counter's current bucket's end, since a charge
+  stays in its bucket). A replay holds nothing usable (``valid_s`` 0: return it).
+* ``admit_from_block(block_key, request)``: one atomic step. A key with a record or a
+  tombstone answers as ``admit`` does (replay, cancelled), nothing moved. Else, when the
+  block is open (admitted, unsettled), this processor's, and holds a request slot and at
+  least the request's cost (as ``admit`` computes it) on each token counter, one slot and
+  those costs move from the block to a new record for the request (what ``admit`` writes,
+  naming the block's windows; the block's ``res`` goes down by ``request.tokens``, not below
+  0): counters unchanged, the record open, owned and counted like any admission
+  (``Verdict.from_block``; its states are the counters' current ones). Works after the
+  block's windows ended: the record names them and its settlement refunds only what is
+  live, as ``settle`` does. Otherwise (no block, settled by a peer, too small) it is an
+  ordinary ``admit`` of the request in the same step.
+* ``return_block(block_key, request_counters, token_counters)`` settles the block with
+  ``used`` = 0: what is left on each live token window and each live request window's
+  unused slots is refunded, the record leaves the open count and set, once
+  (``already_settled`` on a retry), with one ledger entry (reason ``returned``, each
+  window's ``net`` what it keeps). Like ``cancel`` it marks the key cancelled, and without a
+  record writes a tombstone: a ``take_block`` whose reply was lost is undone by returning
+  its key. The resilient backend passes these three through (no queue, no fail open): a
+  failure raises ``QuotaUnavailable`` and the caller admits directly.
 """
 
 from __future__ import annotations
@@ -108,7 +144,8 @@ def unit_of(kind: CounterKind) -> Unit:
 
 # Why a request was settled, as the usage ledger records it. ``cancelled``: an admission
 # whose reply was lost, reconciled by ``cancel`` (only recorded when it had run and
-# charged); ``orphaned``: a dead processor's record settled by a peer.
+# charged); ``orphaned``: a dead processor's record settled by a peer; ``returned``: an
+# admission block given back by its owner (``return_block``).
 SettleReason = Literal[
     "completed",
     "cutoff",
@@ -118,6 +155,7 @@ SettleReason = Literal[
     "shutdown",
     "cancelled",
     "orphaned",
+    "returned",
 ]
 SETTLE_REASONS: frozenset[str] = frozenset(
     {"completed", "cutoff", "disconnect", "upstream_error", "timeout", "shutdown"}
@@ -253,6 +291,22 @@ class Verdict:
     retry_soon: bool = False
     # Shadow counters that would have refused this admission (it went ahead).
     shadow_refused_by: tuple[CounterKind, ...] = ()
+    # Admitted by ``admit_from_block`` out of an admission block (first answer only).
+    from_block: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """What ``take_block`` got: ``verdict`` as ``admit``'s; when admitted, the block holds
+    ``requests`` request slots and ``amounts`` per token counter (in the order given) until
+    ``valid_s`` seconds after ``server_now_us`` (the server's clock): the end of the first
+    of its windows."""
+
+    verdict: Verdict
+    valid_s: float = 0.0
+    amounts: tuple[int, ...] = ()
+    requests: int = 0
+    server_now_us: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,6 +445,17 @@ class QuotaBackend(Protocol):
         reservation_key: str,
         token_counters: tuple[Counter, ...],
         tombstone_ttl_s: int = RECORD_TTL_S,
+    ) -> Settlement: ...
+
+    async def take_block(self, request: AdmitRequest, requests: int) -> Block: ...
+
+    async def admit_from_block(self, block_key: str, request: AdmitRequest) -> Verdict: ...
+
+    async def return_block(
+        self,
+        block_key: str,
+        request_counters: tuple[Counter, ...],
+        token_counters: tuple[Counter, ...],
     ) -> Settlement: ...
 
     async def absorb(self, absorption: Absorption) -> bool:

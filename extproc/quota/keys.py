@@ -120,6 +120,24 @@ def reservation_key(tenant: str, request_id: str, prefix: str = DEFAULT_PREFIX) 
     return f"{tenant_tag(tenant, prefix)}:r:{encode_name(request_id)}"
 
 
+BLOCK_ID_HEAD = "~block."
+
+
+def block_key(tenant: str, owner_id: str, n: int, prefix: str = DEFAULT_PREFIX) -> str:
+    """Key of processor ``owner_id``'s ``n``-th admission block of ``tenant``: a reservation
+    key (the tenant's slot) whose request id is ``~block.<owner>.<n>``."""
+    if not owner_id:
+        raise ValueError("owner id must be non-empty")
+    if n < 0:
+        raise ValueError(f"block number must be >= 0, got {n}")
+    return reservation_key(tenant, f"{BLOCK_ID_HEAD}{owner_id}.{n}", prefix)
+
+
+def is_block_key(key: str) -> bool:
+    """Whether a reservation key names an admission block (``block_key``)."""
+    return key.rpartition(":r:")[2].startswith(encode_name(BLOCK_ID_HEAD))
+
+
 def tenant_part(reservation_key: str) -> str:
     """``<prefix>:{<t>}`` of a reservation key: what every key of that tenant starts with."""
     tag, sep, _ = reservation_key.rpartition(":r:")

@@ -13,9 +13,11 @@ from collections.abc import Iterable
 from extproc.quota.base import (
     SETTLE_REASONS,
     AdmitRequest,
+    Block,
     Counter,
     CounterKind,
     CounterState,
+    Verdict,
 )
 from extproc.quota.calendar import calendar_bounds
 from extproc.quota.keys import parse_window_key, window_key
@@ -160,3 +162,43 @@ def check_reason(reason: str, output_tokens: int | None, used: int) -> None:
         )
     if output_tokens is not None and not 0 <= output_tokens <= used:
         raise ValueError(f"need 0 <= output_tokens <= used, got {output_tokens} and {used}")
+
+
+def check_block(request: AdmitRequest, requests: int) -> None:
+    if requests < 1:
+        raise ValueError(f"a block needs requests >= 1, got {requests}")
+    check_admit(request)
+
+
+def block_amount(counter: Counter, tokens: int) -> int:
+    """What a block of ``tokens`` charges a token counter: any split of them fits."""
+    return tokens * max(counter.weights[0], counter.weights[1])
+
+
+def block_valid_until(counters: tuple[Counter, ...], now_s: int, default: int) -> int:
+    """The end of the first window a block charged at ``now_s`` went to: a fixed or calendar
+    window's end, a sliding counter's current bucket's (a charge stays in its bucket)."""
+    ends = [
+        now_s - now_s % c.bucket_s + c.bucket_s if c.shape == "sliding" else bounds(c, now_s)[1]
+        for c in counters
+    ]
+    return min(ends, default=default)
+
+
+def block_of(
+    request: AdmitRequest, requests: int, verdict: Verdict, now_s: int, now_us: int
+) -> Block:
+    """``take_block``'s answer for ``verdict``, reached at the server's ``now_s`` s +
+    ``now_us`` µs: a replay or a refusal holds nothing usable."""
+    server_now_us = now_s * 1_000_000 + now_us
+    if not verdict.admitted or verdict.replayed:
+        return Block(verdict=verdict, server_now_us=server_now_us)
+    counters = request.request_counters + request.token_counters
+    until = block_valid_until(counters, now_s, now_s + request.record_ttl_s)
+    return Block(
+        verdict=verdict,
+        valid_s=max(0.0, until - now_s - now_us / 1_000_000),
+        amounts=tuple(block_amount(c, request.tokens) for c in request.token_counters),
+        requests=requests,
+        server_now_us=server_now_us,
+    )

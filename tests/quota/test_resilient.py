@@ -24,7 +24,7 @@ from extproc.admission.policy import PolicyBook
 from extproc.config import parse_config
 from extproc.metrics import Metrics
 from extproc.quota.base import AdmitRequest, Counter, QuotaUnavailable, UsageTags
-from extproc.quota.keys import counter_key, reservation_key, usage_stream_key
+from extproc.quota.keys import block_key, counter_key, reservation_key, usage_stream_key
 from extproc.quota.redis.backend import RedisQuotaBackend
 from extproc.quota.resilience.backend import CircuitOpen, ResilientQuotaBackend, absorb_key
 from loadlab.redis_server import RedisServer
@@ -514,5 +514,48 @@ async def test_what_is_served_locally_gets_its_ledger_entry_so_counters_equal_th
         assert len(served) == 1 and (served[0]["used"], served[0]["output_tokens"]) == ("75", "15")
         assert {p["reason"] for p in by_request["alone"]} <= {"disconnect", "cancelled"}
         assert all(p["plan"] == "open-plan" and p["tenant"] == "open" for p in entries)
+    finally:
+        await backend.close()
+
+
+@pytest.mark.timeout(120)
+async def test_admission_blocks_pass_straight_through_and_fail_without_a_fallback(
+    server: RedisServer, plain: aioredis.Redis
+) -> None:
+    backend = wrapped(server.url, failures=1)
+    owner = backend.primary.owner_id
+    # A fail-open plan's block still never comes from the local allowance.
+    block = AdmitRequest(block_key("open", owner, 1), (OPEN_RPM,), (OPEN_TPM,), 500)
+    try:
+        taken = await backend.take_block(block, 3)
+        assert taken.verdict.admitted and taken.amounts == (500,)
+        moved = await backend.admit_from_block(block.reservation_key, open_request("b1", 100))
+        assert moved.from_block
+        with paused(server):
+            with pytest.raises(QuotaUnavailable):
+                await backend.take_block(
+                    AdmitRequest(block_key("open", owner, 2), (OPEN_RPM,), (OPEN_TPM,), 500), 3
+                )
+            with pytest.raises(CircuitOpen):
+                await backend.admit_from_block(block.reservation_key, open_request("b2"))
+            with pytest.raises(CircuitOpen):
+                await backend.return_block(block.reservation_key, (OPEN_RPM,), (OPEN_TPM,))
+            assert backend.pending == 0 and not backend.allowance.tracked
+        deadline = time.monotonic() + 20
+        while True:  # the caller's retry: return_block is idempotent
+            try:
+                returned = await backend.return_block(
+                    block.reservation_key, (OPEN_RPM,), (OPEN_TPM,)
+                )
+                break
+            except CircuitOpen:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+        assert returned.refunded == 400
+        # The paused take_block ran once the server went on: return its key too (a no-op
+        # or its refund, whichever happened).
+        await backend.return_block(block_key("open", owner, 2), (OPEN_RPM,), (OPEN_TPM,))
+        assert await total(plain, OPEN_TPM) == 100
+        assert await total(plain, OPEN_RPM) == 1
     finally:
         await backend.close()

@@ -19,7 +19,13 @@ import redis.asyncio as aioredis
 
 from extproc.metrics import Metrics
 from extproc.quota.base import Absorption, AdmitRequest, Counter, LedgerSettings, UsageTags
-from extproc.quota.keys import counter_key, heartbeat_key, reservation_key, usage_stream_key
+from extproc.quota.keys import (
+    block_key,
+    counter_key,
+    heartbeat_key,
+    reservation_key,
+    usage_stream_key,
+)
 from extproc.quota.liveness.orphans import Liveness, LuaScript
 from extproc.quota.redis.backend import RedisQuotaBackend, load_lua
 from extproc.quota.redis.resp import Script
@@ -154,6 +160,24 @@ async def test_every_path_of_every_script_touches_only_declared_keys(
     assert (await backend.admit(rpm_only)).admitted
     await backend.settle(rpm_only.reservation_key, (), 10)
 
+    # admission blocks: take (admitted, refused, replayed), admit from it (moved, replayed,
+    # fallen back), return (now, again, a tombstone), orphan settlement of one
+    block = AdmitRequest(block_key("acme", "proc-a", 1), (RPM,), TOKENS, 100)
+    assert (await backend.take_block(block, 3)).verdict.admitted
+    assert (await backend.take_block(block, 3)).verdict.replayed
+    big_block = AdmitRequest(block_key("acme", "proc-a", 2), (RPM,), TOKENS, 5000)
+    assert not (await backend.take_block(big_block, 3)).verdict.admitted
+    assert (await backend.admit_from_block(block.reservation_key, admission("b1", 50))).from_block
+    assert (await backend.admit_from_block(block.reservation_key, admission("b1", 50))).replayed
+    fell = await backend.admit_from_block(block.reservation_key, admission("b2", 80))
+    assert fell.admitted and not fell.from_block
+    assert not (await backend.return_block(block.reservation_key, (RPM,), TOKENS)).already_settled
+    assert (await backend.return_block(block.reservation_key, (RPM,), TOKENS)).already_settled
+    await backend.return_block(block_key("acme", "proc-a", 3), (RPM,), TOKENS)
+    dead = AdmitRequest(block_key("acme", "proc-a", 4), (RPM,), TOKENS, 10)
+    assert (await backend.take_block(dead, 2)).verdict.admitted
+    assert (await backend.settle_orphan(dead.reservation_key, "proc-a"))[0] == "settled"
+
     # absorb (the fail-open reconciliation), the call the resilient wrapper's queue makes
     backend._absorb = Script(STRICT + load_lua("absorb.lua"))
     now_s = math.floor(await server_now(plain))
@@ -173,6 +197,8 @@ async def test_every_path_of_every_script_touches_only_declared_keys(
         "cancelled",
         "orphaned",
         "completed",
+        "returned",
+        "orphaned",
     ]
 
 

@@ -13,6 +13,7 @@ that dies takes this backend with it, so nobody ever needs to.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -25,6 +26,7 @@ from extproc.quota.base import (
     SETTLED_TTL_S,
     Absorption,
     AdmitRequest,
+    Block,
     Counter,
     CounterKind,
     CounterState,
@@ -66,6 +68,10 @@ class _Record:
     net: dict[str, int] = field(default_factory=dict)  # window key -> kept after settling
     shadow_refused_by: tuple[CounterKind, ...] = ()
     owner: str = ""  # 'o': the processor that admitted it
+    # An admission block: 'rq' (request slots left) and per request counter's window key
+    # the slots it can give back ('q' .. key).
+    slots: int = 0
+    slot_windows: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -174,11 +180,15 @@ class _Open:
 
     def charged(self, record: _Record) -> list[tuple[int, int, str]]:
         """The record's charges on this counter, newest first: (start, amount, key)."""
+        return self.fields(record.charged)
+
+    def fields(self, fields: dict[str, int]) -> list[tuple[int, int, str]]:
+        """``fields``' windows of this counter, newest first: (start, amount, key)."""
         head = self.c.key + ":"
         return sorted(
             (
                 (int(k[len(head) :]), amount, k)
-                for k, amount in record.charged.items()
+                for k, amount in fields.items()
                 if k.startswith(head) and k[len(head) :].isdigit()
             ),
             reverse=True,
@@ -271,6 +281,18 @@ class MemoryQuotaBackend:
     async def admit(self, request: AdmitRequest) -> Verdict:
         windows.check_admit(request)
         now, now_s = self._tick()
+        return self._admit(request, now, now_s)
+
+    def _admit(
+        self,
+        request: AdmitRequest,
+        now: float,
+        now_s: int,
+        take: int = 0,
+        block_key: str | None = None,
+    ) -> Verdict:
+        """admit.lua: ``take`` > 0 its take mode (a block of that many requests), with
+        ``block_key`` its from mode."""
         prior = self._record(request.reservation_key, now)
         if prior is not None:
             return self._verdict(prior, now, replayed=not prior.tombstone)
@@ -279,16 +301,24 @@ class MemoryQuotaBackend:
         n_req = len(request.request_counters)
         opened = [_Open(self, c, now_s, now) for c in counters]
         prompt = min(request.usage.prompt_tokens if request.usage else 0, request.tokens)
-        costs = [
-            1 if i < n_req else prompt * c.weights[0] + (request.tokens - prompt) * c.weights[1]
-            for i, c in enumerate(counters)
-        ]
+        if take:
+            costs = [
+                take if i < n_req else windows.block_amount(c, request.tokens)
+                for i, c in enumerate(counters)
+            ]
+        else:
+            costs = [
+                1 if i < n_req else prompt * c.weights[0] + (request.tokens - prompt) * c.weights[1]
+                for i, c in enumerate(counters)
+            ]
+        block = None if block_key is None else self._record(block_key, now)
+        moves = None if block is None else self._block_share(block, opened, costs, n_req)
         refused_by: CounterKind | None = None
         refused_at = -1
         refused_fits = False
         would: list[CounterKind] = []
         for i, c in enumerate(counters):
-            if opened[i].read() + costs[i] > c.limit:
+            if opened[i].read() + costs[i] > c.limit and moves is None:
                 if c.shadow:
                     would.append(c.kind)
                 elif refused_by is None:
@@ -297,14 +327,12 @@ class MemoryQuotaBackend:
         admitted = refused_by is None
         if (
             request.soft_refusal
+            and not take
             and refused_fits
             and self._others_open(request.reservation_key, now) > 0
         ):
             return Verdict(admitted=False, retry_soon=True)
 
-        if admitted or request.count_refused_attempts:
-            for i in range(n_req):
-                opened[i].charge(1)
         record = _Record(
             admitted=admitted,
             refused_by=refused_by,
@@ -312,7 +340,23 @@ class MemoryQuotaBackend:
             expires_at=now_s + request.record_ttl_s,
             shadow_refused_by=tuple(would) if admitted else (),
         )
+        if block is not None and moves is not None:
+            block.slots -= 1
+            for i in range(n_req):
+                slot = opened[i].fields(block.slot_windows)
+                if slot and slot[0][1] > 0:
+                    block.slot_windows[slot[0][2]] -= 1
+            for key, cost in moves:
+                block.charged[key] -= cost
+                record.charged[key] = cost
+            block.reserved = max(0, block.reserved - request.tokens)
+        elif admitted or (request.count_refused_attempts and not take):
+            for i in range(n_req):
+                key = opened[i].charge(costs[i])
+                if take:
+                    record.slot_windows[key] = costs[i]
         if admitted:
+            record.slots = take
             record.tags = request.usage or UsageTags()
             record.admitted_at_us = _micros(now)
             record.owner = self.owner_id
@@ -322,7 +366,9 @@ class MemoryQuotaBackend:
                 found = self._open_sets[listed] = _OpenSet(set(), 0.0)
             found.members.add(request.reservation_key)
             found.expires_at = max(found.expires_at, now_s + request.record_ttl_s)
-            if request.tokens > 0 and request.token_counters:
+            if moves is not None:
+                record.reserved = request.tokens
+            elif request.tokens > 0 and request.token_counters:
                 record.reserved = request.tokens
                 for i in range(n_req, len(counters)):
                     if costs[i] > 0:
@@ -338,7 +384,61 @@ class MemoryQuotaBackend:
             for i, c in enumerate(counters)
         )
         self._records[request.reservation_key] = record
-        return self._verdict(record, now, replayed=False)
+        verdict = self._verdict(record, now, replayed=False)
+        return verdict if moves is None else dataclasses.replace(verdict, from_block=True)
+
+    def _block_share(
+        self, block: _Record, opened: list[_Open], costs: list[int], n_req: int
+    ) -> list[tuple[str, int]] | None:
+        """admit.lua's block_share: the block's window each cost moves from, or None."""
+        if not block.admitted or block.settlement is not None or block.owner != self.owner_id:
+            return None
+        if block.slots < 1:
+            return None
+        moves = []
+        for i in range(n_req, len(opened)):
+            if costs[i] > 0:
+                found = opened[i].charged(block)
+                if not found or found[0][1] < costs[i]:
+                    return None
+                moves.append((found[0][2], costs[i]))
+        return moves
+
+    async def take_block(self, request: AdmitRequest, requests: int) -> Block:
+        windows.check_block(request, requests)
+        now, now_s = self._tick()
+        strict = dataclasses.replace(request, count_refused_attempts=False, soft_refusal=False)
+        verdict = self._admit(strict, now, now_s, take=requests)
+        now_us = round(now * 1_000_000) - now_s * 1_000_000
+        return windows.block_of(request, requests, verdict, now_s, now_us)
+
+    async def admit_from_block(self, block_key: str, request: AdmitRequest) -> Verdict:
+        windows.check_admit(request)
+        if records_prefix(block_key) != records_prefix(request.reservation_key):
+            raise ValueError(f"block {block_key!r} is not in the tenant of the request")
+        now, now_s = self._tick()
+        return self._admit(request, now, now_s, block_key=block_key)
+
+    async def return_block(
+        self,
+        block_key: str,
+        request_counters: tuple[Counter, ...],
+        token_counters: tuple[Counter, ...],
+    ) -> Settlement:
+        """settle.lua's return mode: cancel's, and the unused request slots back."""
+        windows.check_counters(request_counters)
+        windows.check_counters(token_counters)
+        now, now_s = self._tick()
+        record = self._record(block_key, now)
+        settlement = self._cancel(block_key, token_counters, RECORD_TTL_S, now, now_s, "returned")
+        if record is not None and record.admitted and not settlement.already_settled:
+            for c in request_counters:
+                o = _Open(self, c, now_s, now)
+                o.read()
+                for start, amount, _ in o.fields(record.slot_windows):
+                    o.refund(start, amount)
+            record.expires_at = min(record.expires_at, now + self.settled_ttl_s)
+        return settlement
 
     @staticmethod
     def _verdict(record: _Record, now: float, replayed: bool) -> Verdict:
@@ -456,6 +556,17 @@ class MemoryQuotaBackend:
     ) -> Settlement:
         windows.check_cancel(tombstone_ttl_s, token_counters)
         now, now_s = self._tick()
+        return self._cancel(reservation_key, token_counters, tombstone_ttl_s, now, now_s)
+
+    def _cancel(
+        self,
+        reservation_key: str,
+        token_counters: tuple[Counter, ...],
+        tombstone_ttl_s: int,
+        now: float,
+        now_s: int,
+        reason: SettleReason = "cancelled",
+    ) -> Settlement:
         record = self._record(reservation_key, now)
         self._unlist(reservation_key, self.owner_id)
         if record is not None and record.settlement is not None:
@@ -471,7 +582,7 @@ class MemoryQuotaBackend:
             self._records[reservation_key] = record
         if record.admitted:
             record.settlement = self._settle(record, token_counters, 0, None, 0, now, now_s)
-            self._append(reservation_key, record, "cancelled", None, now)
+            self._append(reservation_key, record, reason, None, now)
         else:
             zeros = tuple(0 for _ in token_counters)
             record.settlement = Settlement(

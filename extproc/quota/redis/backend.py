@@ -39,6 +39,7 @@ settles a dead owner's record with ``used`` = what it had reserved.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import re
@@ -63,6 +64,7 @@ from extproc.quota.base import (
     SETTLED_TTL_S,
     Absorption,
     AdmitRequest,
+    Block,
     Counter,
     CounterState,
     Grant,
@@ -98,7 +100,7 @@ _ORPHAN_STATUS: dict[int, OrphanStatus] = {
     2: "no_record",
     3: "not_owned",
 }
-_MODE_SETTLE, _MODE_CANCEL, _MODE_ORPHAN = 0, 1, 2
+_MODE_SETTLE, _MODE_CANCEL, _MODE_ORPHAN, _MODE_RETURN = 0, 1, 2, 3
 # A script finding a passed window start that is not its server's current one charges
 # nothing and says so; the call is retried with the server's clock at most this often.
 WINDOW_RETRIES = 2
@@ -521,11 +523,12 @@ class RedisQuotaBackend:
         that of the owner in ``head`` (this processor's, or a dead one's for an orphan)."""
         tenant = keynames.tenant_part(reservation_key)
         keys = [reservation_key]
-        args = head.copy()
+        args = head[:7]
         for c in token_counters:
             counter_key, shape, a, b = windows.script_window(c, now_s)
             keys.append(counter_key)
             args += (shape, a, b, *c.weights)
+        args += head[7:]  # return mode: the request counters among them
         owner = self._owner_part if head[3] == self.owner_id else keynames.encode_name(head[3])
         keys += (tenant + ":open", tenant + ":usage", tenant + ":own:" + owner)
         return keys, args
@@ -610,6 +613,97 @@ class RedisQuotaBackend:
         if status in ("settled", "already_settled"):
             return status, _settlement(status == "already_settled", summary)
         return status, None
+
+    # -- admission blocks (base.py): admit.lua's take and from modes, settle.lua's return --
+
+    async def _admit_mode(
+        self, operation: str, request: AdmitRequest, tail: list[Any], block_key: str | None
+    ) -> tuple[Any, float]:
+        """admit.lua in mode ``tail[0]`` (``admit`` itself stays inlined, its hot path)."""
+        counters = request.request_counters + request.token_counters
+        tags = request.usage or _NO_TAGS
+        key = request.reservation_key
+        tenant = keynames.tenant_part(key)
+        if block_key is not None and keynames.tenant_part(block_key) != tenant:
+            raise ValueError(f"block {block_key!r} is not in the tenant of {key!r}")
+        owned_key = tenant + ":own:" + self._owner_part
+        registrations = self.registrations
+        if registrations is not None and not registrations.fresh(owned_key):
+            await registrations.ensure(owned_key)  # before the charge a peer must find
+        take = tail[0] == "take"
+        now_s = self.server_now_s()
+        for attempt in range(WINDOW_RETRIES + 1):
+            keys = [key]
+            args: list[Any] = [
+                len(request.request_counters),
+                len(request.token_counters),
+                request.tokens,
+                0 if take or not request.count_refused_attempts else 1,
+                request.record_ttl_s,
+                self.owner_id,
+                0 if take or not request.soft_refusal else 1,
+                tags.plan,
+                tags.model,
+                tags.client_request_id,
+                tags.prompt_tokens,
+            ]
+            for c in counters:
+                counter_key, shape, a, b = windows.script_window(c, now_s)
+                keys.append(counter_key)
+                args += (c.kind, c.limit, shape, a, b, c.weights[0], c.weights[1])
+                args.append(1 if c.shadow else 0)
+            keys += (tenant + ":open", owned_key)
+            if block_key is not None:
+                keys.append(block_key)
+            args += tail
+            call = self._scripts.run_script(self._admit, keys, args)
+            reply = await self._call(operation, call)
+            now = self.learn_clock(reply[2], reply[3])
+            if not reply[6]:
+                return reply, now
+            self.window_retries += 1
+            now_s = int(reply[2])
+            if attempt == WINDOW_RETRIES:
+                break
+        raise WrongWindow(f"quota {operation}: window keys kept missing the server's clock")
+
+    async def take_block(self, request: AdmitRequest, requests: int) -> Block:
+        """Charge an admission block (base.py) on ``request.reservation_key``."""
+        windows.check_block(request, requests)
+        reply, now = await self._admit_mode("take_block", request, ["take", requests], None)
+        replayed, verdict, reply_s, reply_us, cancelled = reply[:5]
+        parsed = _parse_verdict(verdict, now, replayed=bool(replayed), cancelled=bool(cancelled))
+        return windows.block_of(request, requests, parsed, int(reply_s), int(reply_us))
+
+    async def admit_from_block(self, block_key: str, request: AdmitRequest) -> Verdict:
+        """Move ``request``'s share out of the block into its own record, or admit it."""
+        windows.check_admit(request)
+        reply, now = await self._admit_mode("admit_from_block", request, ["from"], block_key)
+        replayed, verdict, _, _, cancelled, retry_soon = reply[:6]
+        if retry_soon:
+            return Verdict(admitted=False, retry_soon=True)
+        parsed = _parse_verdict(verdict, now, replayed=bool(replayed), cancelled=bool(cancelled))
+        if len(reply) > 7 and int(reply[7]):
+            return dataclasses.replace(parsed, from_block=True)
+        return parsed
+
+    async def return_block(
+        self,
+        block_key: str,
+        request_counters: tuple[Counter, ...],
+        token_counters: tuple[Counter, ...],
+    ) -> Settlement:
+        """Settle the block with used = 0, its unused request slots given back too."""
+        windows.check_counters(request_counters)
+        windows.check_counters(token_counters)
+        counters = token_counters + request_counters
+        head = [0, _MODE_RETURN, RECORD_TTL_S, self.owner_id, "returned", -1, 0,
+                len(request_counters)]  # fmt: skip
+        keys, args = self._settle_request(block_key, counters, head, self.server_now_s())
+        reply = await self._call("return_block", self._scripts.run_script(self._settle, keys, args))
+        if reply[0] == 4:
+            reply = await self._settle_retry("return_block", block_key, counters, head, reply)
+        return _settlement(reply[0], reply[1])
 
     async def absorb(self, absorption: Absorption) -> bool:
         """absorb.lua: every entry is charged to its counter's current window on the server

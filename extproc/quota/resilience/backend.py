@@ -76,6 +76,7 @@ from extproc.quota.base import (
     RECORD_TTL_S,
     Absorption,
     AdmitRequest,
+    Block,
     Counter,
     Grant,
     QuotaMisconfigured,
@@ -347,6 +348,33 @@ class ResilientQuotaBackend:
             return Settlement(
                 reserved=0, used=0, refunded=0, refunded_per_counter=zeros, queued=queued
             )
+
+    # -- admission blocks: straight through (no queue, no allowance) ---------------------------
+
+    async def take_block(self, request: AdmitRequest, requests: int) -> Block:
+        """Redis's answer, or ``QuotaUnavailable``: the caller admits directly instead (and
+        returns the key, whose block may have been charged)."""
+        key = request.reservation_key
+        return await self.breakers.guarded(key, lambda: self.primary.take_block(request, requests))
+
+    async def admit_from_block(self, block_key: str, request: AdmitRequest) -> Verdict:
+        """Redis's answer, or ``QuotaUnavailable`` (the outcome unknown: cancel the key)."""
+        key = request.reservation_key
+        return await self.breakers.guarded(
+            key, lambda: self.primary.admit_from_block(block_key, request)
+        )
+
+    async def return_block(
+        self,
+        block_key: str,
+        request_counters: tuple[Counter, ...],
+        token_counters: tuple[Counter, ...],
+    ) -> Settlement:
+        """Redis's answer, or ``QuotaUnavailable`` (retry it: it is idempotent)."""
+        return await self.breakers.guarded(
+            block_key,
+            lambda: self.primary.return_block(block_key, request_counters, token_counters),
+        )
 
     # -- reconciliation --------------------------------------------------------------------
 

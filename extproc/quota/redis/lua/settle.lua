@@ -2,13 +2,15 @@
 -- append its usage ledger entry in the same step.
 --
 -- KEYS[1]      reservation record (hash)
--- KEYS[2..n+1] each token counter's key (counters.lua)
+-- KEYS[2..n+1] each token counter's key (counters.lua), then (return mode) each request
+--              counter's
 -- KEYS[n+2]    the tenant's count of admitted, unsettled requests (decremented here)
 -- KEYS[n+3]    the tenant's usage ledger (a Stream)
 -- KEYS[n+4]    the tenant's set of records the owner (ARGV owner) holds open
--- ARGV         used, mode (0 settle | 1 cancel | 2 orphan), tombstone_ttl_s, owner,
---              reason, output_tokens (-1: not given), cached_tokens, then shape (f|s), a,
---              b, input, output and cached input weights per counter
+-- ARGV         used, mode (0 settle | 1 cancel | 2 orphan | 3 return), tombstone_ttl_s,
+--              owner, reason, output_tokens (-1: not given), cached_tokens, then shape
+--              (f|s), a, b, input, output and cached input weights per counter, then
+--              (return mode) n_request: the request counters, last of the n
 -- Constants    MARGIN, CLOCK_KEY, SETTLED_TTL (s), LEDGER (true|false), MAX_LEN (0: none),
 --              RETENTION_MS (0: none): the backend's settings, and counters.lua and
 --              ledger.lua, prepended by it (fewer arguments to pack per call)
@@ -35,6 +37,11 @@
 -- counter keys). Only a record admitted by that owner ('o' = ARGV owner) and still open is
 -- touched; without a record nothing is written (the admission ran and its record expired).
 --
+-- Return mode gives an admission block back (base.py): cancel mode (used = 0, marked
+-- cancelled, a tombstone without a record), and each request counter's live windows get
+-- the slots the block holds for them ('q' .. window key) back; reason 'returned'. Orphan
+-- mode on a block settles it like a request's record: what it holds stays charged.
+--
 -- A settled record (settle and orphan modes) then lives at most settled_ttl_s: long enough
 -- for the owner's own retries of settle to be answered from it.
 --
@@ -52,11 +59,13 @@ local t = server_time()
 local now_s = tonumber(t[1])
 local used = tonumber(ARGV[1])
 local mode = ARGV[2]
-local cancel = mode == '1'
+local cancel = mode == '1' or mode == '3'
 local orphan = mode == '2'
 local tombstone_ttl = tonumber(ARGV[3])
 local owner = ARGV[4]
 local n = #KEYS - 4
+local n_req = tonumber(ARGV[8 + n * 6] or '0')
+local n_tok = n - n_req
 local open_key = KEYS[n + 2]
 local owned_key = KEYS[n + 4]
 
@@ -84,7 +93,7 @@ end
 local parts = {}
 if not rec['v'] or string.sub(rec['v'], 1, 1) ~= '1' then
   parts = {'0', int(used)}
-  for _ = 1, n do parts[#parts + 1] = '0' end
+  for _ = 1, n_tok do parts[#parts + 1] = '0' end
   local summary = table.concat(parts, ',')
   if cancel then
     redis.call('HSET', rkey, 'st', summary, 'c', '1')
@@ -116,7 +125,7 @@ local cached = math.min(tonumber(ARGV[7]), prompt)
 local reserved = tonumber(rec['res'] or '0')
 local net = {}  -- field of a charged window -> what it keeps of this request
 parts = {int(reserved), int(used)}
-for i = 1, n do
+for i = 1, n_tok do
   local c = cs[i]
   local base = 8 + (i - 1) * 6
   read(c)
@@ -145,6 +154,13 @@ for i = 1, n do
   end
   parts[#parts + 1] = int(refunded)
 end
+for i = n_tok + 1, n do  -- return mode: the block's unused request slots
+  local c = cs[i]
+  read(c)
+  for _, w in ipairs(charged({head = 'q' .. string.sub(c.head, 2)}, rec)) do
+    refund(c, w[1], w[2])
+  end
+end
 
 local summary = table.concat(parts, ',')
 if redis.call('DECR', open_key) <= 0 then
@@ -157,7 +173,7 @@ elseif orphan then
 else
   redis.call('HSET', rkey, 'st', summary)
 end
-if not cancel then
+if not cancel or mode == '3' then  -- a returned block: no take of its key is to come
   local ttl = redis.call('TTL', rkey)
   if ttl < 0 or ttl > SETTLED_TTL then
     redis.call('EXPIRE', rkey, SETTLED_TTL)
