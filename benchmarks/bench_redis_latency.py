@@ -31,12 +31,17 @@ fired on this shared machine; never early).
 
     .venv/bin/python benchmarks/bench_redis_latency.py [--quick] [--rtt-ms 0,1,10,50,100]
         [--levels 1,10,50] [--requests 10] [--rounds 2] [--output-tokens 100] [--itl-ms 10]
-        [--batch-tokens 32] [--budget-s 3] [--no-budget] [--out DIR]
+        [--batch-tokens 32] [--budget-s 3] [--no-budget] [--admission-leases off|on|both]
+        [--out DIR]
 
-Targets (issue 24 item 5): no event waits at RTT ≤ 50 ms for streams of ≤ 100 tokens/s
-(10 ms ITL is 100 tokens/s); TTFT added grows by about one RTT while admission pays a round
-trip (≈ 0 once admission no longer does). Runtime about 5 minutes on 2 cores (``--quick``:
-RTT 1 and 50 ms at 1 and 10 streams, about a minute). Writes ``report.json`` and
+``--admission-leases both`` runs, per RTT, a processor without and one with
+``admission_leases`` (docs/design-admission-leases.md), side by side in the same rounds.
+
+Targets (issue 24 items 4 and 5): with admission leases, TTFT added p50 ≤ 1 ms at 1
+stream; no event waits at RTT ≤ 50 ms for streams of ≤ 100 tokens/s (10 ms ITL is 100
+tokens/s); TTFT added grows by about one RTT while admission pays a round trip. Runtime
+about 5 minutes on 2 cores (``--quick``: RTT 1 and 50 ms at 1 and 10 streams, about a
+minute; twice that with ``both``). Writes ``report.json`` and
 ``table.txt`` to ``--out`` (default ``results/redis-latency-<UTC time>``).
 """
 
@@ -99,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-tokens", type=int, default=32)
     p.add_argument("--budget-s", type=float, help="seconds of demand the budget holds")
     p.add_argument("--no-budget", action="store_true", help="skip the budget phases")
+    p.add_argument(
+        "--admission-leases",
+        choices=("off", "on", "both"),
+        default="off",
+        help="admission_leases on the processors; both: a processor of each per RTT",
+    )
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     quick = args.quick
@@ -118,6 +129,7 @@ class Cell:
     """One RTT at one level: the figures of the table."""
 
     rtt_ms: float
+    leases: bool  # admission_leases on
     level: int
     ttft_envoy: dict[str, float]
     ttft_processor: dict[str, float]
@@ -135,6 +147,7 @@ class Cell:
         added = {q: round(self.ttft_processor[q] - self.ttft_envoy[q], 3) for q in ("p50", "p99")}
         return {
             "rtt_ms": self.rtt_ms,
+            "admission_leases": self.leases,
             "streams": self.level,
             "ttft_added_ms": added,
             "ttft_envoy_ms": self.ttft_envoy,
@@ -185,10 +198,18 @@ class RttRun:
     """The parts of one RTT: relay (unless 0), processor on it, Envoy in front of it."""
 
     def __init__(
-        self, args: argparse.Namespace, index: int, redis: RedisServer, sim_port: int, logs: Path
+        self,
+        args: argparse.Namespace,
+        index: int,
+        rtt: float,
+        leases: bool,
+        redis: RedisServer,
+        sim_port: int,
+        logs: Path,
     ) -> None:
-        self.args, self.index, self.rtt = args, index, args.rtt_ms[index]
-        self.logs = logs / f"rtt-{self.rtt:g}"
+        self.args, self.index, self.rtt, self.leases = args, index, rtt, leases
+        self.name = f"rtt-{self.rtt:g}" + ("+leases" if leases else "")
+        self.logs = logs / self.name
         self.logs.mkdir(parents=True, exist_ok=True)
         self.stops = StopStack()
         self.relay: RelayProcess | None = None
@@ -244,6 +265,7 @@ class RttRun:
                 "plans": plans,
                 "tenants": tenants,
                 "stream_idle_timeout_s": 120,
+                "admission_leases": {"enabled": self.leases},
             },
         )
         processor = self.stops.push(Processor.start(config, self.logs, redis_url))
@@ -253,7 +275,7 @@ class RttRun:
         if self.relay is not None:
             pids["relay"] = self.relay.pid
         keys = [f"sk-{self.tenant('lat', li)}" for li in range(len(levels) + 1)]
-        route = Route(f"rtt-{self.rtt:g}", "127.0.0.1", envoy.ports.listen, keys=keys, pids=pids)
+        route = Route(self.name, "127.0.0.1", envoy.ports.listen, keys=keys, pids=pids)
         return route, processor
 
     def stop(self) -> dict[str, Any] | None:
@@ -364,7 +386,7 @@ def ping(run: RttRun, redis: RedisServer) -> dict[str, Any]:
     pings = ping_rtt_ms(port, PINGS)
     out = {"median": round(statistics.median(pings), 3), "min": round(min(pings), 3)}
     print(
-        f"RTT {run.rtt:g} ms: PING through {'the relay' if run.relay else 'nothing'} "
+        f"{run.name}: PING through {'the relay' if run.relay else 'nothing'} "
         f"median {out['median']:.2f} ms (min {out['min']:.2f})",
         flush=True,
     )
@@ -398,6 +420,7 @@ def measure(
             ):
                 cell = Cell(
                     run.rtt,
+                    run.leases,
                     level,
                     ttft(env_phase),
                     ttft(phase),
@@ -415,13 +438,13 @@ def measure(
                 if not args.no_budget:
                     cell.budget = await budget_level(bud, run, route, processor, li, rclient)
                 cells.append(cell)
-                print(f"  RTT {run.rtt:g} ms, {level} streams: {_line(cell)}", flush=True)
+                print(f"  {run.name}, {level} streams: {_line(cell)}", flush=True)
 
     try:
         asyncio.run(levels())
     finally:
         rclient.close()
-    return sorted(cells, key=lambda c: (c.rtt_ms, c.level))
+    return sorted(cells, key=lambda c: (c.rtt_ms, c.level, c.leases))
 
 
 def _line(cell: Cell) -> str:
@@ -445,6 +468,7 @@ def rows_of(cells: list[Cell], infos: list[dict[str, Any]]) -> list[list[str]]:
         rows.append(
             [
                 f"{c.rtt_ms:g}" + (f" ({measured:.1f})" if measured is not None else ""),
+                "on" if c.leases else "off",
                 str(c.level),
                 f"{d['ttft_added_ms']['p50']:.1f} / {d['ttft_added_ms']['p99']:.1f}",
                 f"{d['ttft_envoy_ms']['p50']:.1f} / {d['ttft_processor_ms']['p50']:.1f}",
@@ -471,6 +495,7 @@ def _waits(w: dict[str, Any]) -> str:
 
 HEADERS = [
     "RTT ms (PING)",
+    "adm. leases",
     "streams",
     "TTFT added p50/p99 ms",
     "TTFT p50 envoy/proc",
@@ -515,20 +540,25 @@ def main(argv: list[str] | None = None) -> int:
             "envoy", "127.0.0.1", envoy.ports.listen, pids={"envoy": envoy.process.pid}
         )
         asyncio.run(Engine(probe).warm(envoy_route))
-        runs = [RttRun(args, i, redis, sim.port, logs) for i in range(len(args.rtt_ms))]
+        modes = {"off": [False], "on": [True], "both": [False, True]}[args.admission_leases]
+        pairs = [(rtt, leases) for rtt in args.rtt_ms for leases in modes]
+        runs = [
+            RttRun(args, i, rtt, leases, redis, sim.port, logs)
+            for i, (rtt, leases) in enumerate(pairs)
+        ]
         for run in runs:
-            stops.call(lambda run=run: relay_stats.__setitem__(run.rtt, run.stop()))
+            stops.call(lambda run=run: relay_stats.__setitem__(run.name, run.stop()))
         parts = [run.start() for run in runs]
-        infos = [{"rtt_ms": run.rtt, "ping_ms": ping(run, redis)} for run in runs]
+        infos = [{"rtt_ms": run.rtt, "run": run.name, "ping_ms": ping(run, redis)} for run in runs]
         cells = measure(args, runs, parts, envoy_route, redis)
     finally:
         stops.stop()
     for info in infos:
-        info["relay"] = relay_stats.get(info["rtt_ms"])
+        info["relay"] = relay_stats.get(info["run"])
     load_end = [round(x, 2) for x in os.getloadavg()]
     text = table(HEADERS, rows_of(cells, infos))
     relay_lines = [
-        f"RTT {i['rtt_ms']:g} ms: relay lateness per chunk p50 {i['relay']['lateness_ms']['p50']} "
+        f"{i['run']}: relay lateness per chunk p50 {i['relay']['lateness_ms']['p50']} "
         f"/ p99 {i['relay']['lateness_ms']['p99']} / max {i['relay']['lateness_ms']['max']} ms "
         f"over {i['relay']['chunks']:,} chunks"
         for i in infos
@@ -545,6 +575,16 @@ def main(argv: list[str] | None = None) -> int:
         if verdicts
         else "no cell at RTT ≤ 50 ms and ≤ 100 tokens/s: target not judged"
     )
+    # Issue 24 item 4: with admission leases, TTFT added at 1 stream within 1 ms of Envoy
+    # alone, whatever the RTT, while the tenant has room.
+    leased = [c for c in cells if c.leases and c.level == 1]
+    if leased:
+        met = [c.to_doc()["ttft_added_ms"]["p50"] <= 1.0 for c in leased]
+        target += (
+            "\nTTFT added p50 ≤ 1 ms at 1 stream with admission leases: "
+            + ("met" if all(met) else "MISSED")
+            + f" ({sum(met)} of {len(met)} RTTs)"
+        )
     summary = "\n".join(
         [
             text,

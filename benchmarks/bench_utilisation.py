@@ -440,6 +440,11 @@ def main() -> None:
         help="simulator profile: a name in simulator_profiles/ or a path (llm-d-v0.10.2.yaml: "
         "llm-d-inference-sim v0.10.2's tokenizer and chunks)",
     )
+    parser.add_argument(
+        "--admission-leases",
+        action="store_true",
+        help="admission_leases on (docs/design-admission-leases.md): utilisation must hold",
+    )
     args = parser.parse_args()
     plans = ([] if args.no_baseline else ["max"]) + [f"b{b}" for b in args.batches.split(",")]
     behaviours = args.behaviours.split(",")
@@ -466,7 +471,8 @@ def main() -> None:
         for plan in plans
     ]
     workdir = Path(tempfile.mkdtemp(prefix="bench-utilisation-"))
-    print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
+    leases = "on" if args.admission_leases else "off"
+    print(f"load average at start: {os.getloadavg()[0]:.2f}; admission leases {leases}", flush=True)
     config = write_config(
         workdir / "quota.yaml",
         {
@@ -481,6 +487,7 @@ def main() -> None:
                 "probe": {"plan": columns[0].tenant, "key_sha256": [key_hash(PROBE_KEY)]},
             },
             "stream_idle_timeout_s": 120,
+            "admission_leases": {"enabled": args.admission_leases},
         },
     )
     sim_port = free_port()

@@ -141,6 +141,8 @@ class Metrics:
 
     # Process-wide counters and gauges (names and help in ``_SCALARS``).
     quota_round_trips_total: int = 0
+    local_admissions_total: int = 0
+    admission_blocks: _Tally[str] = field(default_factory=_Tally)  # result
     body_messages_total: int = 0
     events_total: int = 0
     events_waited_total: int = 0
@@ -191,6 +193,8 @@ class Metrics:
 _SCALARS: tuple[tuple[str, str, str, str], ...] = (
     ("quota_round_trips_total", "extproc_quota_round_trips", "counter",
      "Quota calls made by admissions, lease batches and settlements."),
+    ("local_admissions_total", "extproc_local_admissions", "counter",
+     "Requests admitted from a block of the tenant's budget held here (no round trip)."),
     ("body_messages_total", "extproc_body_messages", "counter",
      "Response body messages processed."),
     ("events_total", "extproc_sse_events", "counter", "SSE events metered."),
@@ -276,6 +280,8 @@ _LABELLED: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
      "What shadow limits would have done and did not: refuse an admission, cut a lease."),
     ("replays", "extproc_idempotent_replays", ("operation",),
      "Quota calls answered from an earlier call with the same key (idempotency hits)."),
+    ("admission_blocks", "extproc_admission_blocks", ("result",),
+     "Blocks of a tenant's budget: taken, refused, failed, returned, overdrawn (a bug)."),
     ("backend_errors", "extproc_quota_backend_errors", ("operation",),
      "Quota calls that raised, per script."),
     ("quota_config_errors", "extproc_quota_config_errors", ("kind",),

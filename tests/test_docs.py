@@ -59,6 +59,7 @@ SECTIONS: dict[str, set[str]] = {
     "": loader._TOP_KEYS,
     "circuit_breaker.": loader._BREAKER_KEYS,
     "usage_ledger.": loader._LEDGER_KEYS,
+    "admission_leases.": loader._LEASE_KEYS,
     "tls.": loader._TLS_KEYS,
     "models.<name>.": loader._MODEL_KEYS,
     "models.<name>.prices.": limits_module._PRICE_KEYS,

@@ -9,6 +9,7 @@ from typing import Any
 
 import structlog
 
+from extproc.admission.blocks import AdmissionBlocks
 from extproc.admission.errors import ApiError, invalid_request, model_not_found, unauthorized
 from extproc.admission.identity import KeyRing, presented_key
 from extproc.admission.lease import REFUND_RETRY_S, first_lease, refund_retries
@@ -108,8 +109,12 @@ class Admission:
         registry: TokenizerRegistry,
         metrics: Metrics,
         spawn: Callable[[Coroutine[Any, Any, Any]], object],
+        blocks: AdmissionBlocks | None = None,
     ) -> None:
+        """``blocks``: admit from blocks of a tenant's budget held here (it is ``backend``
+        too, then: the records it creates are waited for there)."""
         self.spawn = spawn
+        self.blocks = blocks
         self.config = config
         self.metrics = metrics
         self.backend = backend
@@ -211,14 +216,16 @@ class Admission:
         )
         # Refused only because other requests hold leases they may not use: ask again for
         # up to refund_wait_ms while their refunds come back, then take the final verdict.
-        waits = refund_retries(self.config.refund_wait_s)
-        for attempt in range(waits + 1):
-            soft = attempt < waits
+        verdict = self.blocks.admit_here(charge) if self.blocks is not None else None
+        waits = 0 if verdict is not None else refund_retries(self.config.refund_wait_s) + 1
+        for attempt in range(waits):
+            soft = attempt < waits - 1
             verdict = await self._charge(replace(charge, soft_refusal=soft))
             if not verdict.retry_soon:
                 break
             self.metrics.admission_waits_total += 1
             await asyncio.sleep(REFUND_RETRY_S)
+        assert verdict is not None  # admitted here, or at least one charge
         if verdict.cancelled:
             # Only a retry of this processor's own call can meet a cancelled key.
             raise QuotaUnavailable(f"reservation {reservation_key} was cancelled")

@@ -10,6 +10,7 @@ from typing import Any
 import structlog
 
 from extproc import __version__
+from extproc.admission.blocks import AdmissionBlocks
 from extproc.admission.gate import Admission
 from extproc.config import Config
 from extproc.exchange.session import OpenSessions, Session
@@ -109,8 +110,13 @@ class Runtime:
         )
         self.tracer: Tracer | None = tracer_from_env()
         self.registry = TokenizerRegistry(tokenizer_rules(config))
-        self.admission = Admission(config, self.backend, self.registry, self.metrics, self.spawn)
-        self.billing = Billing(self.backend, self.metrics, self.spawn)
+        # What admission and billing call: the backend, and the blocks of tenants' budgets
+        # admissions are taken from (``admission_leases``; idle when turned off).
+        self.quota = AdmissionBlocks(
+            self.backend, config.admission_leases, self.metrics, self.spawn, config.key_prefix
+        )
+        self.admission = self._admission(config, self.registry)
+        self.billing = Billing(self.quota, self.metrics, self.spawn)
         self.open_sessions = OpenSessions()
         self._background: set[asyncio.Task[Any]] = set()
         # Heartbeat, registration of open reservations, sweep for dead peers (Redis only):
@@ -144,11 +150,15 @@ class Runtime:
         tokenizers: one step on the loop, so every session sees the old admission side or the
         new one, never a mix. Sessions keep the one they started with; the quota backend and
         the prompt-counting pool are shared, not rebuilt."""
-        admission = Admission(config, self.backend, registry, self.metrics, self.spawn)
+        self.quota.settings = config.admission_leases  # turned off: its blocks go back
+        admission = self._admission(config, registry)
         admission.prompts.close()  # its thread starts on first use: none was started
         admission.prompts = self.admission.prompts
         self.config, self.registry, self.admission = config, registry, admission
         self.metrics.tokenizer_fallbacks_total = registry.load_failures
+
+    def _admission(self, config: Config, registry: TokenizerRegistry) -> Admission:
+        return Admission(config, self.quota, registry, self.metrics, self.spawn, blocks=self.quota)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run work that must finish even if the stream that started it is cancelled."""
@@ -170,12 +180,12 @@ class Runtime:
                 log.error("drain_timeout", pending=len(self._background))
                 break
             await asyncio.wait(list(self._background), timeout=remaining)
-        await self.backend.flush(max(0.0, deadline - loop.time()))
+        await self.quota.flush(max(0.0, deadline - loop.time()))  # blocks back, then queue
 
     async def close(self) -> None:
         if self.liveness is not None:
             await self.liveness.stop()  # after drain: the last settlements are registered
         self.admission.close()  # the prompt-counting worker thread
-        await self.backend.close()
+        await self.quota.close()
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.shutdown)  # export what is buffered

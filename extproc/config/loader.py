@@ -19,6 +19,7 @@ from extproc.config.limits import Entry, Layer, PlanWindow, Sourced
 from extproc.config.normal import PER_REPLICA_FIELDS, normal_form
 from extproc.config.ratelimit import RlsLimits, parse_ratelimit, read_file
 from extproc.config.schema import (
+    AdmissionLeaseSpec,
     CircuitBreakerSpec,
     Config,
     ConfigError,
@@ -59,6 +60,7 @@ _TOP_KEYS = {
     "heartbeat_ttl_s",
     "orphan_sweep_s",
     "usage_ledger",
+    "admission_leases",
     "ratelimit",
     "ratelimit_file",
     "redis_username",
@@ -69,6 +71,7 @@ _TOP_KEYS = {
 }
 _TLS_KEYS = {"cert_file", "key_file", "client_ca_file", "require_client_cert"}
 _LEDGER_KEYS = {"enabled", "max_len", "retention_s"}
+_LEASE_KEYS = {"enabled", "fraction", "idle_ms"}
 _BREAKER_KEYS = {"failures", "probe_interval_ms"}
 _PLAN_KEYS = {
     "limits",
@@ -145,6 +148,24 @@ def _ledger(doc: Any) -> LedgerSettings:
         retention_s=check.integer(
             doc.get("retention_s", default.retention_s), "usage_ledger.retention_s", minimum=0
         ),
+    )
+
+
+def _admission_leases(doc: Any) -> AdmissionLeaseSpec:
+    doc = check.mapping({} if doc is None else doc, "admission_leases")
+    check.known(doc, _LEASE_KEYS, "admission_leases")
+    default = AdmissionLeaseSpec()
+    fraction = check.fraction(doc.get("fraction", default.fraction), "admission_leases.fraction")
+    if fraction > 0.25:
+        # A block is at most a quarter of what is left anyway; more would only mislead.
+        raise ConfigError("admission_leases.fraction", f"must be at most 0.25, got {fraction!r}")
+    idle_ms = check.integer(
+        doc.get("idle_ms", round(default.idle_s * 1000)), "admission_leases.idle_ms", minimum=10
+    )
+    return AdmissionLeaseSpec(
+        enabled=check.boolean(doc.get("enabled", default.enabled), "admission_leases.enabled"),
+        fraction=fraction,
+        idle_s=idle_ms / 1000,
     )
 
 
@@ -605,6 +626,7 @@ def parse_config(doc: Any, base_dir: Path | None = None) -> Config:
         heartbeat_ttl_s=check.seconds(doc.get("heartbeat_ttl_s", 30), "heartbeat_ttl_s", 1, 3600),
         orphan_sweep_s=check.seconds(doc.get("orphan_sweep_s", 10), "orphan_sweep_s", 0.1, 3600),
         usage_ledger=_ledger(doc.get("usage_ledger")),
+        admission_leases=_admission_leases(doc.get("admission_leases")),
         redis_username=None
         if doc.get("redis_username") is None
         else check.string(doc["redis_username"], "redis_username"),

@@ -75,6 +75,11 @@ def normal_form(config: Config) -> dict[str, Any]:
             "max_len": config.usage_ledger.max_len,
             "retention_s": config.usage_ledger.retention_s,
         },
+        "admission_leases": {
+            "enabled": config.admission_leases.enabled,
+            "fraction": config.admission_leases.fraction,
+            "idle_ms": round(config.admission_leases.idle_s * 1000),
+        },
         "models": {
             m.name: {
                 "aliases": sorted(m.aliases),

@@ -145,6 +145,16 @@ class ListenerTls:
 
 
 @dataclass(frozen=True, slots=True)
+class AdmissionLeaseSpec:
+    """``admission_leases``: admit a tenant far from its limits from a block of its budget
+    this processor holds (``extproc.admission.blocks``), without a round trip."""
+
+    enabled: bool = False
+    fraction: float = 0.05  # of each counter's limit, at most, per block
+    idle_s: float = 1.0  # a block unused this long is returned
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     listen: str
     redis_url: str
@@ -173,6 +183,7 @@ class Config:
     orphan_sweep_s: float = 10.0
     # The per-tenant usage ledger (a Redis Stream each) and its bounds.
     usage_ledger: LedgerSettings = field(default_factory=LedgerSettings)
+    admission_leases: AdmissionLeaseSpec = field(default_factory=AdmissionLeaseSpec)
     # Redis ACL user and password (from ``redis_password_file`` or ``redis_password_env``);
     # each overrides what the URL carries. The password is never in the normal form.
     redis_username: str | None = None

@@ -1,0 +1,240 @@
+"""Admission blocks (``extproc.admission.blocks``) on both backends: what is admitted here,
+from a block, is charged before and recorded after, and the books balance.
+
+Each test drives ``AdmissionBlocks`` over a real backend (memory, and redis-server) the way
+``Admission`` does: ``admit_here`` first, the backend's ``admit`` when it declines; then
+the meter's ``reserve`` and ``settle`` through it. Invariants only: counters == the sum of
+the ledger's net per window, one ledger entry per request, nothing left open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, cast
+
+from extproc.admission.blocks import AdmissionBlocks
+from extproc.config.schema import AdmissionLeaseSpec
+from extproc.metrics import Metrics
+from extproc.quota import keys
+from extproc.quota.base import AdmitRequest, Counter, QuotaBackend, UsageTags, Verdict
+from tests.quota.conftest import Harness
+
+WINDOW_S = 3600
+PROMPT = 20
+OUTPUT = 32  # the first lease admission reserves
+
+
+class SlowMoves:
+    """The harness's backend, with each move out of a block held back ``delay_s`` first:
+    a Redis slow to answer that one call (the others go through at once)."""
+
+    def __init__(self, backend: QuotaBackend, delay_s: float) -> None:
+        self.backend = backend
+        self.delay_s = delay_s
+
+    async def admit_from_block(self, block_key: str, request: AdmitRequest) -> Verdict:
+        await asyncio.sleep(self.delay_s)
+        return await self.backend.admit_from_block(block_key, request)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+
+class Rig:
+    """An ``AdmissionBlocks`` over the harness's backend, and the work it spawned."""
+
+    def __init__(
+        self, harness: Harness, tenant: str, tpm: int, rpm: int = 10_000, move_delay_s: float = 0
+    ) -> None:
+        self.harness = harness
+        self.tenant = tenant
+        self.rpm = Counter("rpm", keys.counter_key(tenant, "rpm", "m", WINDOW_S), rpm, WINDOW_S)
+        self.tpm = Counter("tpm", keys.counter_key(tenant, "tpm", "m", WINDOW_S), tpm, WINDOW_S)
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.metrics = Metrics()
+        backend = harness.backend
+        if move_delay_s:
+            backend = cast(QuotaBackend, SlowMoves(backend, move_delay_s))
+        self.blocks = AdmissionBlocks(
+            backend,
+            AdmissionLeaseSpec(enabled=True, fraction=0.05, idle_s=0.05),
+            self.metrics,
+            self.spawn,
+        )
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        return task
+
+    async def settle_spawned(self) -> None:
+        while pending := [t for t in self.tasks if not t.done()]:
+            await asyncio.gather(*pending)
+
+    def request(self, i: int) -> AdmitRequest:
+        return AdmitRequest(
+            reservation_key=keys.reservation_key(self.tenant, f"req-{i}"),
+            request_counters=(self.rpm,),
+            token_counters=(self.tpm,),
+            tokens=PROMPT + OUTPUT,
+            usage=UsageTags("p", "m", f"client-{i}", PROMPT),
+        )
+
+    async def admit(self, i: int) -> tuple[Verdict, bool]:
+        """As ``Admission`` does: here first, else the backend. (verdict, admitted here)"""
+        request = self.request(i)
+        here = self.blocks.admit_here(request)
+        if here is not None:
+            return here, True
+        return await self.blocks.admit(request), False
+
+    async def finish(self, i: int, output: int) -> None:
+        """The meter's calls for request ``i``: a lease, then the settlement."""
+        key = self.request(i).reservation_key
+        await self.blocks.reserve(key, 1, (self.tpm,), OUTPUT)
+        await self.blocks.settle(key, (self.tpm,), PROMPT + output, output_tokens=output)
+
+    async def books(self) -> list[dict[str, str]]:
+        """Asserts counters == ledger net per window; returns the ledger entries."""
+        stream = keys.usage_stream_key(self.request(0).reservation_key)
+        entries = [fields for _, fields in await self.harness.ledger(stream)]
+        net: dict[int, int] = {}
+        for entry in entries:
+            for part in filter(None, entry["windows"].split(";")):
+                kind, _, start, amount = part.split(":")
+                assert kind == "tpm"
+                net[int(start)] = net.get(int(start), 0) + int(amount)
+        windows = await self.harness.windows(self.tpm)
+        assert windows == {s: v for s, v in net.items() if v or s in windows}
+        return entries
+
+
+async def test_after_one_admission_the_next_come_from_a_block_and_the_books_balance(
+    harness: Harness,
+) -> None:
+    await harness.ensure_room(WINDOW_S, 30)
+    rig = Rig(harness, "blk-busy", tpm=100_000)
+    verdict, here = await rig.admit(0)
+    assert verdict.admitted and not here
+    await rig.settle_spawned()  # the block is taken
+    assert rig.metrics.admission_blocks["taken"] == 1
+    results = [await rig.admit(i) for i in range(1, 11)]
+    assert all(v.admitted and here for v, here in results)
+    assert rig.metrics.local_admissions_total == 10
+    # The meter's calls right away: each waits for its record, none is lost.
+    await asyncio.gather(*(rig.finish(i, output=10 + i) for i in range(11)))
+    await rig.blocks.return_all()
+    await rig.settle_spawned()
+    entries = await rig.books()
+    requests = sorted(e["request_id"] for e in entries if not e["request_id"].startswith("~"))
+    assert requests == sorted(f"req-{i}" for i in range(11))
+    used = sum(PROMPT + 10 + i for i in range(11))
+    assert await harness.total(rig.tpm) == used
+    blocks = [e for e in entries if e["request_id"].startswith("~")]
+    assert [e["reason"] for e in blocks] == ["returned"]
+    assert rig.metrics.admission_blocks["overdrawn"] == 0
+
+
+async def test_near_its_limit_a_tenant_takes_no_block(harness: Harness) -> None:
+    await harness.ensure_room(WINDOW_S, 30)
+    # 5 % of 400 is 20 tokens: not two requests of 52.
+    rig = Rig(harness, "blk-tight", tpm=400)
+    for i in range(3):
+        verdict, here = await rig.admit(i)
+        assert verdict.admitted and not here
+        await rig.settle_spawned()
+    assert rig.metrics.admission_blocks["taken"] == 0
+    assert rig.metrics.local_admissions_total == 0
+
+
+async def test_a_replay_of_a_key_admitted_here_is_the_backend_s_replay(harness: Harness) -> None:
+    await harness.ensure_room(WINDOW_S, 30)
+    rig = Rig(harness, "blk-replay", tpm=100_000)
+    await rig.admit(0)
+    await rig.settle_spawned()
+    first, here = await rig.admit(1)
+    assert first.admitted and here
+    again, here_again = await rig.admit(1)  # the same key, while its record is being made
+    assert again.admitted and again.replayed and not here_again
+    charged = await harness.total(rig.tpm)
+    await rig.finish(0, 5)
+    await rig.finish(1, 5)
+    await rig.blocks.return_all()
+    await rig.settle_spawned()
+    await rig.books()
+    assert await harness.total(rig.tpm) <= charged
+    assert await harness.total(rig.tpm) == 2 * (PROMPT + 5)
+
+
+async def test_an_idle_block_goes_back_and_its_refund_reaches_the_counter(
+    harness: Harness,
+) -> None:
+    await harness.ensure_room(WINDOW_S, 30)
+    rig = Rig(harness, "blk-idle", tpm=100_000)
+    await rig.admit(0)
+    await rig.settle_spawned()
+    held = await harness.total(rig.tpm)
+    assert held > PROMPT + OUTPUT  # the block is charged
+    await rig.finish(0, 3)
+    for _ in range(200):  # idle 50 ms, reaped every 100 ms
+        await asyncio.sleep(0.05)
+        await rig.settle_spawned()
+        if rig.metrics.admission_blocks["returned"]:
+            break
+    assert rig.metrics.admission_blocks["returned"] == 1
+    assert await harness.total(rig.tpm) == PROMPT + 3
+    await rig.books()
+
+
+async def test_a_spent_block_sends_requests_to_the_backend_and_is_replaced(
+    harness: Harness,
+) -> None:
+    await harness.ensure_room(WINDOW_S, 30)
+    # A block: min(5 % of 20,000, a quarter left) = 1,000 tokens = 19 requests of 52.
+    rig = Rig(harness, "blk-spent", tpm=20_000)
+    await rig.admit(0)
+    await rig.settle_spawned()
+    here = 0
+    for i in range(1, 60):
+        verdict, local = await rig.admit(i)
+        assert verdict.admitted
+        here += local
+        await asyncio.sleep(0)
+        if not local:
+            await rig.settle_spawned()
+    assert rig.metrics.admission_blocks["taken"] >= 2
+    assert here >= 50
+    await asyncio.gather(*(rig.finish(i, 1) for i in range(60)))
+    await rig.blocks.return_all()
+    await rig.settle_spawned()
+    await rig.books()
+    assert await harness.total(rig.tpm) == 60 * (PROMPT + 1)
+
+
+async def test_a_settlement_and_a_return_right_after_local_admissions_wait_for_the_records(
+    harness: Harness,
+) -> None:
+    """Clients gone before their first token: settled at once, with no lease, and the
+    block returned in the same breath. Each settlement finds its record; the return
+    refunds only what no request took."""
+    await harness.ensure_room(WINDOW_S, 30)
+    rig = Rig(harness, "blk-hasty", tpm=100_000, move_delay_s=0.05)
+    await rig.admit(0)
+    await rig.settle_spawned()
+    for i in range(1, 6):
+        verdict, here = await rig.admit(i)
+        assert verdict.admitted and here
+    settled = [
+        rig.blocks.settle(rig.request(i).reservation_key, (rig.tpm,), PROMPT, output_tokens=0)
+        for i in range(6)
+    ]
+    results = await asyncio.gather(*settled, rig.blocks.return_all())
+    assert all(s.reserved == PROMPT + OUTPUT for s in results[:6]), results
+    await rig.settle_spawned()
+    entries = await rig.books()
+    assert sorted(e["request_id"] for e in entries if not e["request_id"].startswith("~")) == [
+        f"req-{i}" for i in range(6)
+    ]
+    assert rig.metrics.admission_blocks["overdrawn"] == 0
+    assert await harness.total(rig.tpm) == 6 * PROMPT
