@@ -15,7 +15,11 @@ machine is running); then from the billing processor's /metrics, Redis round tri
 request and the share of SSE events that had to wait for a lease batch from Redis.
 
     .venv/bin/python benchmarks/bench_processor_throughput.py [--quick] [--clients 2]
-        [--streams 64] [--tokens 256] [--seconds 8]
+        [--streams 64] [--tokens 256] [--seconds 8] [--loops uvloop,asyncio]
+
+``--loops``: the event loops to run both processors on (``extproc serve --loop``; default
+serve's). With more than one, every processor of every loop runs in each round, and the
+loops are compared processor by processor (msg per CPU-second, the rounds' median ratio).
 
 Targets: billing ≥ 0.90× the no-op's body messages per processor CPU-second (issue 10;
 no-op and billing phases alternate ``--rounds`` times, the ratio is the rounds' median);
@@ -35,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from extproc.app.loop import DEFAULT_LOOP, LOOPS
 from loadlab.figures import fmt, ratio, table, verdict
 from loadlab.gateway import wait_until
 from loadlab.grpc_load import (
@@ -67,40 +72,91 @@ def main() -> None:
         default=3,
         help="no-op and billing phases alternate this many times; the ratio is their median",
     )
+    parser.add_argument(
+        "--loops",
+        default=DEFAULT_LOOP,
+        help=f"comma-separated event loops of both processors ({', '.join(LOOPS)}); "
+        "several: compared side by side, round by round",
+    )
     args = load_args(parser)
+    loops = [name.strip() for name in args.loops.split(",") if name.strip()]
+    if not loops or any(name not in LOOPS for name in loops):
+        parser.error(f"--loops: names among {', '.join(LOOPS)}")
     server_cpus, client_cpus = cores()
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
     with StopStack() as stops:
         redis = stops.push(RedisServer.start(workdir / "redis"))
-        noop, noop_port = start_noop_processor(workdir, server_cpus)
-        stops.push(noop)
         config = write_bench_config(workdir / "quota.yaml", redis.url, batch_tokens=BATCH)
-        billing = stops.push(start_billing_processor(config, workdir, redis.url, server_cpus))
+        targets = []  # (loop, processor name, port, pid)
+        billings = {}
+        for loop in loops:
+            noop, noop_port = start_noop_processor(workdir, server_cpus, loop)
+            stops.push(noop)
+            billing = stops.push(
+                start_billing_processor(config, workdir, redis.url, server_cpus, loop)
+            )
+            billings[loop] = billing
+            targets += [
+                (loop, "noop", noop_port, noop.pid),
+                (loop, "billing", billing.port, billing.process.pid),
+            ]
         print(
             f"processor throughput: {args.clients} client processes × {args.streams} streams, "
             f"{args.tokens} token chunks per response, batch {BATCH}, processor on core "
-            f"{server_cpus}, clients on core {client_cpus}; load average "
-            f"{os.getloadavg()[0]:.1f}; logs in {workdir}",
+            f"{server_cpus}, clients on core {client_cpus}, loops {', '.join(loops)}; load "
+            f"average {os.getloadavg()[0]:.1f}; logs in {workdir}",
             flush=True,
         )
         # Alternating rounds: a change in the machine's other load hits both processors
-        # alike instead of whichever ran at that moment.
-        rounds: list[tuple[Phase, Phase]] = []
+        # (and every loop) alike instead of whichever ran at that moment.
+        by_loop: dict[str, list[tuple[Phase, Phase]]] = {loop: [] for loop in loops}
         for r in range(args.rounds):
-            pair = []
-            for name, port, pid in (
-                ("noop", noop_port, noop.pid),
-                ("billing", billing.port, billing.process.pid),
-            ):
-                pair.append(run_phase(name, port, pid, args, client_cpus))
-                print(f"  round {r + 1} {name}: {pair[-1].per_s:,.0f} msg/s", flush=True)
-            rounds.append((pair[0], pair[1]))
+            done: dict[tuple[str, str], Phase] = {}
+            for loop, name, port, pid in targets:
+                phase = done[loop, name] = run_phase(name, port, pid, args, client_cpus)
+                label = f"{name} ({loop})" if len(loops) > 1 else name
+                print(f"  round {r + 1} {label}: {phase.per_s:,.0f} msg/s", flush=True)
+            for loop in loops:
+                by_loop[loop].append((done[loop, "noop"], done[loop, "billing"]))
         # Every stream ended: wait for the spawned settlements, then read the counters.
-        wait_until(lambda: all_settled(billing.metrics()), timeout_s=15)
-        metrics = billing.metrics()
-    report(rounds, metrics, args.tokens)
+        metrics = {}
+        for loop, billing in billings.items():
+            wait_until(lambda b=billing: all_settled(b.metrics()), timeout_s=15)
+            metrics[loop] = billing.metrics()
+    for loop in loops:
+        if len(loops) > 1:
+            print(f"\n=== loop {loop}")
+        report(by_loop[loop], metrics[loop], args.tokens)
+    if len(loops) > 1:
+        compare_loops(by_loop)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
+
+
+def compare_loops(by_loop: dict[str, list[tuple[Phase, Phase]]]) -> None:
+    """Each processor's msg per CPU-second on every loop, against the first loop's."""
+    first, *others = by_loop
+    rows = []
+    for index, name in enumerate(("noop", "billing")):
+        base = merged([pair[index] for pair in by_loop[first]])
+        rows.append([name, first, fmt(base.per_cpu_s, 0), "", ""])
+        for loop in others:
+            phases = [pair[index] for pair in by_loop[loop]]
+            per_round = [
+                ratio(p.per_cpu_s, q[index].per_cpu_s)
+                for p, q in zip(phases, by_loop[first], strict=True)
+            ]
+            rows.append(
+                [
+                    name,
+                    loop,
+                    fmt(merged(phases).per_cpu_s, 0),
+                    fmt(statistics.median(per_round), 2) + "×",
+                    ", ".join(f"{x:.2f}" for x in per_round),
+                ]
+            )
+    print(f"\nloops side by side (ratio: against {first}, per round and the median)")
+    print(table(["processor", "loop", "msg per CPU-s", "median ratio", "rounds"], rows))
 
 
 def report(rounds: list[tuple[Phase, Phase]], metrics: dict[str, float], tokens: int) -> None:

@@ -74,6 +74,7 @@ class Processor:
         drain_delay_s: float | None = 0.0,
         log_level: str = "warning",
         env: dict[str, str] | None = None,
+        loop: str | None = None,
     ) -> Processor:
         """``prefix`` runs the processor under a launcher (e.g. ``taskset -c 0``).
 
@@ -95,6 +96,8 @@ class Processor:
             argv += ["--redis-url", redis_url]
         if drain_delay_s is not None:
             argv += ["--drain-delay-s", str(drain_delay_s)]
+        if loop is not None:  # else serve's default
+            argv += ["--loop", loop]
         log_path = log_dir / f"extproc-{port}.log"
         for n in range(1, 100):
             if not log_path.exists():

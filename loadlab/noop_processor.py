@@ -21,6 +21,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from extproc.app.loop import DEFAULT_LOOP, LOOPS
+from extproc.app.loop import run as run_loop
+
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 # Answers that carry nothing are the same every time: built once.
@@ -96,7 +99,11 @@ async def serve(listen: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--listen", default="127.0.0.1:50061", help="host:port to serve on")
-    asyncio.run(serve(parser.parse_args().listen))
+    parser.add_argument(
+        "--loop", choices=LOOPS, default=DEFAULT_LOOP, help="event loop, as extproc serve's"
+    )
+    args = parser.parse_args()
+    run_loop(serve(args.listen), args.loop)
 
 
 if __name__ == "__main__":

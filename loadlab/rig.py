@@ -72,14 +72,22 @@ def write_bench_config(path: Path, redis_url: str, batch_tokens: int = 32) -> Pa
 
 
 def start_billing_processor(
-    config_path: Path, log_dir: Path, redis_url: str, cpus: str | None = None
+    config_path: Path,
+    log_dir: Path,
+    redis_url: str,
+    cpus: str | None = None,
+    loop: str | None = None,
 ) -> Processor:
-    return Processor.start(config_path, log_dir, redis_url, prefix=pinned([], cpus))
+    return Processor.start(config_path, log_dir, redis_url, prefix=pinned([], cpus), loop=loop)
 
 
-def start_noop_processor(log_dir: Path, cpus: str | None = None) -> tuple[ManagedProcess, int]:
+def start_noop_processor(
+    log_dir: Path, cpus: str | None = None, loop: str | None = None
+) -> tuple[ManagedProcess, int]:
     port = free_port()
     argv = [sys.executable, "-m", "loadlab.noop_processor", "--listen", f"127.0.0.1:{port}"]
+    if loop is not None:
+        argv += ["--loop", loop]
     process = ManagedProcess(pinned(argv, cpus), log_dir / f"noop-{port}.log", cwd=ROOT)
     try:
         process.wait_ready(lambda: grpc_serving(port), timeout_s=30)

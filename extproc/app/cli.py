@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import errno
 import logging
 import signal
@@ -15,6 +14,8 @@ import orjson
 import structlog
 from structlog.typing import EventDict, WrappedLogger
 
+from extproc.app.loop import DEFAULT_LOOP, LOOPS
+from extproc.app.loop import run as run_loop
 from extproc.app.reload import DEFAULT_POLL_S
 from extproc.app.workers import WORKER_TIMEOUT_S, WorkerRole
 from extproc.config import ConfigError, load_config
@@ -102,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         "that speak no TLS, like Kubernetes' gRPC probes)",
     )
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--loop",
+        choices=LOOPS,
+        default=DEFAULT_LOOP,
+        help="the event loop: uvloop (default; fewer CPU-seconds per message) or the "
+        "standard asyncio loop; --workers N run theirs on the same",
+    )
     serve.add_argument(
         "--config-poll-s",
         type=float,
@@ -212,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem is not None:
             print(f"extproc: {problem}", file=sys.stderr)
             return 2
-        shared = ["--config", args.config, "--log-level", args.log_level]
+        shared = ["--config", args.config, "--log-level", args.log_level, "--loop", args.loop]
         shared += ["--config-poll-s", str(args.config_poll_s)]
         if args.redis_url:
             shared += ["--redis-url", args.redis_url]
@@ -235,10 +243,11 @@ def main(argv: list[str] | None = None) -> int:
             args.worker_beat_interval_s or 1.0,
         )
     try:
-        asyncio.run(
+        run_loop(
             run_server(
                 config, args.metrics_listen, args.config, overrides, args.config_poll_s, role
-            )
+            ),
+            args.loop,
         )
     except (RuntimeError, OSError) as exc:
         # A port taken between the check and the bind: say which, not grpc's own words.

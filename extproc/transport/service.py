@@ -26,22 +26,44 @@ log = structlog.get_logger("extproc.service")
 class _Stream:
     """One open stream's writer: its loop, the idle watchdog and shutdown all write here."""
 
-    __slots__ = ("context", "ended", "writing")
+    __slots__ = ("context", "ended", "in_write", "waiter", "writing")
 
     def __init__(self, context: _Context) -> None:
         self.context = context
         # The watchdog writes too: one writer at a time, and nothing after the stream ended.
+        # The loop's own writes take no lock (one at a time by construction: measured 2 µs
+        # a message); ``end`` holds the lock and waits for a loop write still under way.
         self.writing = asyncio.Lock()
+        self.in_write = False  # the loop's write is under way
+        self.waiter: asyncio.Future[None] | None = None  # ``end`` waits for that write
         self.ended = False  # ended from outside the loop (idle watchdog, shutdown)
 
     async def write(self, response: msg.ProcessingResponse) -> None:
-        async with self.writing:
-            if not self.ended:
-                await self.context.write(response)
+        """The stream loop's write (its only writer: one call at a time)."""
+        if self.writing.locked():  # being ended: after that, nothing more goes out
+            async with self.writing:
+                if not self.ended:
+                    await self.context.write(response)
+            return
+        if self.ended:
+            return
+        self.in_write = True
+        try:
+            await self.context.write(response)
+        finally:
+            self.in_write = False
+            waiter = self.waiter
+            if waiter is not None:
+                self.waiter = None
+                if not waiter.done():
+                    waiter.set_result(None)
 
     async def end(self, closing: Callable[[], Awaitable[msg.ProcessingResponse | None]]) -> bool:
         """Write the closing message ``closing`` makes (None: nothing to end), then no more."""
         async with self.writing:
+            while self.in_write:  # the loop's write goes first, as it would under the lock
+                self.waiter = waiter = asyncio.get_running_loop().create_future()
+                await waiter
             if self.ended:
                 return False
             response = await closing()
