@@ -914,6 +914,13 @@ def test_memory_and_redis_backends_agree_over_long_runs(
     run_differential(redis_server, monkeypatch, _profile(examples=300, steps=60))
 
 
+@pytest.mark.slow
+def test_memory_and_redis_backends_agree_on_admission_blocks_over_long_runs(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_differential(redis_server, monkeypatch, _profile(300, 60), BlockDifferential)
+
+
 # --- divergences the machine found, as plain tests on both backends -------------------
 
 
