@@ -111,9 +111,10 @@ processor held is charged, never free), with its ledger entry.
   unused slots is refunded, the record leaves the open count and set, once
   (``already_settled`` on a retry), with one ledger entry (reason ``returned``, each
   window's ``net`` what it keeps). Like ``cancel`` it marks the key cancelled, and without a
-  record writes a tombstone: a ``take_block`` whose reply was lost is undone by returning
-  its key. The resilient backend passes these three through (no queue, no fail open): a
-  failure raises ``QuotaUnavailable`` and the caller admits directly.
+  record writes a tombstone (for ``tombstone_ttl_s``): a ``take_block`` whose reply was
+  lost is undone by returning its key. A returned block lives ``settled_ttl_s`` more.
+  The resilient backend passes these three through (no queue, no fail open): a failure
+  raises ``QuotaUnavailable`` and the caller admits directly.
 """
 
 from __future__ import annotations
@@ -456,6 +457,7 @@ class QuotaBackend(Protocol):
         block_key: str,
         request_counters: tuple[Counter, ...],
         token_counters: tuple[Counter, ...],
+        tombstone_ttl_s: int = RECORD_TTL_S,
     ) -> Settlement: ...
 
     async def absorb(self, absorption: Absorption) -> bool:

@@ -10,6 +10,7 @@ Layout (``<t>``, ``<m>`` and ``<id>`` are percent-encoded)::
 for a sliding one (whose counter is the hash at the prefix itself, one field per bucket),
 ``<period>.<zone>`` for a calendar one (``month.Europe%2FBerlin``).
     <prefix>:{<t>}:r:<id>                      reservation record of one request
+    <prefix>:{<t>}:r:%7Eblock.<p>.<n>          admission block <n> of processor <p> (a record)
     <prefix>:{<t>}:open                        the tenant's count of open requests
     <prefix>:{<t>}:usage                       the tenant's usage ledger (a Stream)
     <prefix>:{<t>}:own:<p>                     the tenant's records processor <p> holds open

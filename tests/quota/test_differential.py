@@ -5,7 +5,9 @@ Operations: admit (request and token counters, ``count_refused_attempts`` on and
 refusals, prompt splits), lease batches (partial grants, minimums, replayed and retried
 seqs), settle (every reason; used below, equal to and above the reservation; with and
 without output and cached tokens), cancel (before the admission: a tombstone; after it;
-after settling), replays of each, whole streams (admit, leases, settle or cancel, or left
+after settling), admission blocks (take_block, admit_from_block from open, exhausted,
+returned, orphaned or missing blocks, return_block, a peer's orphan settlement of a block
+or a request), replays of each, whole streams (admit, leases, settle or cancel, or left
 open beside the others), and clock moves (within a window, to and across fixed window,
 sliding bucket and calendar period boundaries). Counters: fixed, sliding and calendar
 windows (several zones), total/input/output/cost weights, shadow, tenant-wide and per
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -52,6 +55,7 @@ from extproc.quota.base import (
     LEDGER_FIELDS,
     SETTLE_REASONS,
     AdmitRequest,
+    Block,
     Counter,
     Grant,
     LedgerSettings,
@@ -62,6 +66,7 @@ from extproc.quota.base import (
 )
 from extproc.quota.calendar import calendar_bounds
 from extproc.quota.keys import (
+    block_key,
     counter_key,
     parse_window_key,
     reservation_key,
@@ -116,6 +121,7 @@ _SUFFIX = {
     "cost": "_cost",
 }
 TENANT = "diff-é"  # percent-encoded in keys, decoded by the ledger
+OWNER = "proc-ü.1"  # the Redis backend's owner id: in block keys, percent-encoded too
 # Key prefixes (``key_prefix``): any brace-free text, so ":r:" and ":c:" too.
 PREFIXES = ("tq", "eu:r:1", "a:c:b")
 
@@ -281,12 +287,18 @@ class Req:
 def _outcome(name: str, result: object) -> str:
     """A coverage label for an answer."""
     op = name.split()[0]
+    if isinstance(result, Block):
+        return _outcome(name, result.verdict) + (" holding" if result.valid_s > 0 else "")
+    if isinstance(result, tuple):  # settle_orphan's (status, settlement)
+        return f"{op} {result[0]}"
     if isinstance(result, Verdict):
         flags = [f for f in ("replayed", "cancelled", "retry_soon") if getattr(result, f)]
         if result.admitted:
             flags.append("admitted")
         elif result.refused_by:
             flags.append(f"refused by {result.refused_by}")
+        if result.from_block:
+            flags.append("from block")
         return " ".join([op, *flags, "shadow" if result.shadow_refused_by else ""]).strip()
     if isinstance(result, Grant):
         if result.replayed:
@@ -658,18 +670,160 @@ class Differential(RuleBasedStateMachine):
         self.now_s = max(now + 1, target + offset)
 
 
+class BlockDifferential(Differential):
+    """The same machine with admission blocks (base.py) besides: take_block (admitted,
+    refused, retried, given back at once, or returned before it ran), admit_from_block
+    (requests on a block's counters with a share of its tokens, or more: a fallback; and
+    any request against any block), return_block, and a peer's orphan settlement of a block
+    or of an open request. A run of its own, so that the plain machine's operations keep
+    their share of the steps."""
+
+    def __init__(self, env: Env) -> None:
+        super().__init__(env)
+        self.blocks: list[Req] = []  # admission blocks taken (or tried), also in reqs
+
+    def _block(self, which: int) -> Req | None:
+        """An open block if there is one (a processor takes from those), else any."""
+        open_ = [b for b in self.blocks if b.open] or self.blocks
+        return open_[which % len(open_)] if open_ else None
+
+    @rule(
+        spec=request_specs,
+        requests=st.integers(1, 3),
+        how=st.sampled_from(["take"] * 3 + ["take twice", "return first", "take and return"]),
+    )
+    def take_block(self, spec: RequestSpec, requests: int, how: str) -> None:
+        """A processor takes a block of a tenant's budget (tokens from the request spec),
+        maybe twice (a retry after a lost reply), maybe giving it back at once; or gives
+        back a key whose take has not run yet (its reply was lost), then takes."""
+        n = next(self.ids)
+        request_id = f"~block.{self.redis.owner_id}.{n}"
+        request = AdmitRequest(
+            reservation_key=block_key(self.tenant, self.redis.owner_id, n, self.prefix),
+            request_counters=_pick(self.request_counters, spec.request_mask),
+            token_counters=_pick(self.token_counters, spec.token_mask),
+            tokens=spec.tokens // 3 * self.scale,  # a third: more blocks fit the small limits
+            record_ttl_s=LONG_TTL_S,
+            usage=UsageTags(spec.plan, "m", spec.client_request_id, spec.prompt * self.scale),
+        )
+        blk = Req(request_id, request)
+        self.reqs[request_id] = blk
+        self.blocks.append(blk)
+        if how == "return first":
+            self._block_op(blk, "return", requests)
+        self._block_op(blk, "take", requests)
+        if how == "take twice":
+            self._block_op(blk, "take", requests)
+        elif how == "take and return":
+            self._block_op(blk, "return", requests)
+
+    @rule(
+        which=st.integers(0, 15),
+        op=st.sampled_from(["take", "return", "return", "orphan", "orphan a request"]),
+        requests=st.integers(1, 4),
+    )
+    def block_op(self, which: int, op: str, requests: int) -> None:
+        """take_block again (a retry: a replay), return_block, or a peer's orphan settlement
+        of a block or of an open request."""
+        blk = self._open(which) if op == "orphan a request" else self._block(which)
+        if blk is not None:
+            self._block_op(blk, op, requests)
+
+    def _block_op(self, blk: Req, op: str, requests: int) -> None:
+        if op == "take":
+            taken = self._both(
+                f"take_block {blk.request_id} x{requests}",
+                blk,
+                lambda b: b.take_block(blk.request, requests),
+            )
+            if taken.verdict.admitted and not taken.verdict.replayed:
+                seconds, micros = self.redis.last_time or (0, 0)
+                blk.admitted_at_us = f"{seconds}{micros:06d}"
+                blk.open = True
+            return
+        if op == "return":
+            self._note_ended_windows("return_block", blk)
+            self._both(
+                f"return_block {blk.request_id}",
+                blk,
+                lambda b: b.return_block(
+                    blk.key, blk.request.request_counters, blk.token_counters, LONG_TTL_S
+                ),
+                settles=True,
+            )
+        else:
+            self._both(
+                f"settle_orphan {blk.request_id}",
+                blk,
+                lambda b: b.settle_orphan(blk.key, b.owner_id),
+                settles=True,
+            )
+        blk.open = False
+
+    @rule(
+        target=Differential.requests,
+        which=st.integers(0, 15),
+        spec=request_specs,
+        shares=st.lists(st.integers(0, 150), min_size=1, max_size=3),
+    )
+    def from_block(self, which: int, spec: RequestSpec, shares: list[int]) -> Req:
+        """Requests admitted locally against a block, each recorded off the request path:
+        on the block's counters, a share of its tokens each (or beyond: a fallback)."""
+        blk = self._block(which)
+        if blk is None or not blk.open:  # a processor takes a block for a busy tenant
+            self.take_block(spec, 3, "take")
+            blk = self.blocks[-1]
+        req = self.new_request(spec, "nothing")
+        for share in shares:
+            if blk is not None:
+                req = self.new_request(spec, "nothing")
+                tokens = share * self.scale * blk.request.tokens // (150 * self.scale or 1)
+                req.request = dataclasses.replace(
+                    req.request,
+                    request_counters=blk.request.request_counters,
+                    token_counters=blk.token_counters,
+                    tokens=tokens if share < 140 else tokens + share,
+                )
+            self.admit_from(which, req)
+        return req
+
+    @rule(which=st.integers(0, 15), req=Differential.requests)
+    def admit_from(self, which: int, req: Req) -> None:
+        """admit_from_block of any request (a replay, a tombstone) against a block."""
+        blk = self._block(which)
+        if blk is None:
+            return
+        self._note_ended_windows("admit_from_block", blk)
+        verdict = self._both(
+            f"admit_from_block {req.request_id} from {blk.request_id}",
+            req,
+            lambda b: b.admit_from_block(blk.key, req.request),
+        )
+        self._compare("admit_from_block (the block)", [blk])
+        if verdict.admitted and not verdict.replayed:
+            seconds, micros = self.redis.last_time or (0, 0)
+            req.admitted_at_us = f"{seconds}{micros:06d}"
+            req.open = True
+
+
 def run_differential(
-    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, profile: settings
+    redis_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+    profile: settings,
+    machine: type[Differential] = Differential,
 ) -> Env:
     monkeypatch.setenv(TEST_CLOCK_ENV, CLOCK_KEY)  # read once, as the scripts load
     loop = asyncio.new_event_loop()
-    backend = ObservedRedis.from_url(redis_server.url, settled_ttl_s=LONG_TTL_S, ledger=LEDGER)
+    # A fixed owner id: it is in the block keys, whose names decide a script's hash order.
+    backend = ObservedRedis.from_url(
+        redis_server.url, settled_ttl_s=LONG_TTL_S, ledger=LEDGER, owner_id=OWNER
+    )
     assert isinstance(backend, ObservedRedis)
     monkeypatch.delenv(TEST_CLOCK_ENV)
     plain = redis.Redis(port=redis_server.port, decode_responses=True)
     env = Env(loop, backend, plain)
     try:
-        run_state_machine_as_test(lambda: Differential(env), settings=profile)
+        run_state_machine_as_test(lambda: machine(env), settings=profile)
     finally:
         plain.delete(CLOCK_KEY)
         plain.close()
@@ -725,11 +879,46 @@ def test_memory_and_redis_backends_agree_step_by_step(
     assert env.backend.window_retries > 0  # clock moves outran the backend's estimate
 
 
+# What the block machine's normal profile must have gone through.
+BLOCKS_COVERED = (
+    "take_block admitted holding",
+    "take_block refused by",
+    "take_block replayed admitted",
+    "take_block cancelled",  # returned before it ran
+    "admit_from_block admitted from block",
+    "admit_from_block replayed",
+    "admit_from_block cancelled",
+    "return_block used below the reservation",
+    "return_block of nothing",
+    "return_block replayed",
+    "settle_orphan settled",
+    "settle_orphan already_settled",
+)
+
+
+def test_memory_and_redis_backends_agree_on_admission_blocks_step_by_step(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profile = _profile(examples=100, steps=40)
+    env = run_differential(redis_server, monkeypatch, profile, BlockDifferential)
+    assert [c for c in BLOCKS_COVERED if not any(lb.startswith(c) for lb in env.seen)] == []
+    assert env.seen["admit_from_block admitted"]  # a block that could not: an admission
+    assert env.seen["admit_from_block after a charged window ended"]
+    assert env.seen["return_block after a charged window ended"]
+
+
 @pytest.mark.slow
 def test_memory_and_redis_backends_agree_over_long_runs(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_differential(redis_server, monkeypatch, _profile(examples=300, steps=60))
+
+
+@pytest.mark.slow
+def test_memory_and_redis_backends_agree_on_admission_blocks_over_long_runs(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_differential(redis_server, monkeypatch, _profile(300, 60), BlockDifferential)
 
 
 # --- divergences the machine found, as plain tests on both backends -------------------

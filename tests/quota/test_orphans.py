@@ -308,6 +308,44 @@ async def test_every_open_record_of_a_dead_processor_is_settled_by_a_peer(
     assert sorted(reasons) == ["completed", "orphaned", "orphaned"]
 
 
+async def test_a_dead_processors_admission_blocks_are_swept_as_fully_used(
+    processors: tuple[RedisQuotaBackend, RedisQuotaBackend], plain_redis: aioredis.Redis
+) -> None:
+    """A block (base.py) is an open record of its owner like a request's: what a dead
+    processor held is charged, never free, and the books still balance."""
+    a, b = processors
+    liveness(a, ttl_s=30)  # registrations: the block's open set is listed before its charge
+    block = keys.block_key("acme", "proc-a", 1)
+    taken = await a.take_block(AdmitRequest(block, (RPM,), (TPM,), 500), 4)
+    assert taken.verdict.admitted
+    moved = new_key()  # admitted locally against the block, recorded off the request path
+    assert (await a.admit_from_block(block, admission(moved, tokens=120))).from_block
+    returned = keys.block_key("acme", "proc-a", 2)  # given back before the crash
+    await a.take_block(AdmitRequest(returned, (RPM,), (TPM,), 300), 2)
+    await a.return_block(returned, (RPM,), (TPM,))
+    elsewhere = keys.block_key("beta", "proc-a", 3)  # another tenant's block
+    await a.take_block(AdmitRequest(elsewhere, (), (), 0), 1)
+    assert await charged(plain_redis) == 500
+
+    peer = await ready_sweeper(b)
+    await die(plain_redis, "proc-a")
+    assert await peer.sweep() == 3  # the block, the request moved out of it, beta's block
+    assert await plain_redis.hget(block, "st") == "380,380"  # what it still held
+    assert await plain_redis.hget(moved, "st") == "120,120"
+    assert await charged(plain_redis) == 500
+    rpm_keys = await plain_redis.keys(RPM.key + ":*")
+    assert sum([int(await plain_redis.get(k) or 0) for k in rpm_keys]) == 4  # slots kept
+    entries = [f for _, f in await plain_redis.xrange(keys.usage_stream_key(block))]
+    assert sorted(f["reason"] for f in entries) == ["orphaned", "orphaned", "returned"]
+    kept = sum(int(f["windows"].rpartition(":")[2]) for f in entries if f["windows"])
+    assert kept == 500
+    assert not await plain_redis.exists(keys.open_set_key(block, "proc-a"))
+    # The peer cannot take from the dead processor's block: it admits directly.
+    late = await b.admit_from_block(block, admission(new_key(), tokens=10))
+    assert late.admitted and not late.from_block
+    assert await charged(plain_redis) == 510
+
+
 async def test_a_sweep_racing_the_owners_own_settlements_settles_each_record_once(
     processors: tuple[RedisQuotaBackend, RedisQuotaBackend], plain_redis: aioredis.Redis
 ) -> None:

@@ -15,11 +15,11 @@ import itertools
 import pytest
 
 from extproc.quota.base import RECORD_TTL_S, SETTLED_TTL_S, Counter, QuotaBackend
-from extproc.quota.keys import reservation_key
+from extproc.quota.keys import block_key, reservation_key
 from extproc.quota.memory.backend import MemoryQuotaBackend
 from extproc.quota.redis.backend import RedisQuotaBackend
 from tests.quota.conftest import Harness, MemoryHarness, RedisHarness
-from tests.quota.test_conformance import HOUR, admit_request, counter
+from tests.quota.test_conformance import HOUR, admit_request, counter, peer
 
 _ids = itertools.count()
 
@@ -146,3 +146,22 @@ async def _charged(harness: Harness, backend: QuotaBackend, tpm: Counter) -> int
         head = tpm.key + ":"
         return sum(v for k, v in backend.counters().items() if k.startswith(head))
     return await harness.total(tpm)
+
+
+async def test_a_block_lives_like_a_record_and_once_returned_like_a_settled_one(
+    harness: Harness,
+) -> None:
+    await harness.ensure_room(HOUR, 5)
+    tpm = counter("tpm", 10_000)
+    owner = peer(harness).owner_id
+    take = dataclasses.replace(
+        admit_request(None, (tpm,), 100), reservation_key=block_key("acme", owner, next(_ids))
+    )
+    assert (await harness.backend.take_block(take, 2)).verdict.admitted
+    assert SETTLED_TTL_S < await record_ttl(harness, take.reservation_key) <= RECORD_TTL_S
+    await harness.backend.return_block(take.reservation_key, (), (tpm,))
+    assert 0 < await record_ttl(harness, take.reservation_key) <= SETTLED_TTL_S
+    # A return that met no block leaves a tombstone for tombstone_ttl_s.
+    lost = block_key("acme", owner, next(_ids))
+    await harness.backend.return_block(lost, (), (tpm,), tombstone_ttl_s=600)
+    assert SETTLED_TTL_S < await record_ttl(harness, lost) <= 600

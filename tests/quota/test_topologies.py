@@ -220,6 +220,41 @@ async def test_each_tenants_scripts_run_on_the_master_of_its_slot(
     assert await cluster_backend.ping()
 
 
+async def test_admission_blocks_run_on_the_master_of_their_tenants_slot(
+    shared_cluster: RedisClusterSet, cluster_backend: RedisQuotaBackend
+) -> None:
+    """take_block, admit_from_block and return_block each touch one slot: the tenant's
+    (the block key, the request's record, counters, open count and set, ledger)."""
+    tenants = tenants_on_masters(shared_cluster, per_master=1)
+    rpm_window = 3600
+    for master, (tenant,) in tenants.items():
+        # Counters of a model of this test's own (the shared cluster keeps other tests' data).
+        counter = Counter("tpm", keys.counter_key(tenant, "tpm", "blk", WINDOW_S), 10**6, WINDOW_S)
+        rpm = Counter("rpm", keys.counter_key(tenant, "rpm", "blk", rpm_window), 100, rpm_window)
+        block = keys.block_key(tenant, cluster_backend.owner_id, next(_ids))
+        taken = await cluster_backend.take_block(AdmitRequest(block, (rpm,), (counter,), 500), 3)
+        assert taken.verdict.admitted and taken.amounts == (500,)
+        request = AdmitRequest(
+            keys.reservation_key(tenant, f"r-{next(_ids)}"), (rpm,), (counter,), 200
+        )
+        assert (await cluster_backend.admit_from_block(block, request)).from_block
+        await cluster_backend.settle(request.reservation_key, (counter,), 150)
+        returned = await cluster_backend.return_block(block, (rpm,), (counter,))
+        assert (returned.reserved, returned.refunded) == (300, 300)
+        node = shared_cluster.node(master).client()
+        assert node.exists(block) == 1 and total_on(node, counter) == 150
+        assert total_on(node, rpm) == 1
+        entries = [f for _, f in node.xrange(keys.usage_stream_key(block))]
+        ids = {request.reservation_key.rpartition(":r:")[2], block.rpartition(":r:")[2]}
+        reasons = [f["reason"] for f in entries if keys.encode_name(f["request_id"]) in ids]
+        assert reasons == ["completed", "returned"]
+        for port in (p for p in tenants if p != master):  # nothing of this tenant elsewhere
+            assert total_on(shared_cluster.node(port).client(), counter) == 0
+    with pytest.raises(ValueError):  # a block of another tenant: another slot
+        other = keys.block_key("elsewhere", cluster_backend.owner_id, 1)
+        await cluster_backend.admit_from_block(other, request)
+
+
 async def test_a_node_that_lost_its_scripts_loads_them_by_eval(
     shared_cluster: RedisClusterSet, cluster_backend: RedisQuotaBackend
 ) -> None:

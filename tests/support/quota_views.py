@@ -146,6 +146,10 @@ class RecordView:
     settled: bool
     cancelled: bool
     tombstone: bool  # written by a cancel that met no admission
+    # An admission block: request slots left, and per request counter's window key the
+    # slots it can give back.
+    slots: int = 0
+    slot_windows: dict[str, int] | None = None
 
 
 def redis_record(client: redis.Redis, reservation_key: str) -> RecordView | None:
@@ -156,10 +160,14 @@ def redis_record(client: redis.Redis, reservation_key: str) -> RecordView | None
         admitted=rec.get("v", "").startswith("1"),
         reserved=int(rec.get("res", 0)),
         charged={f[1:]: int(v) for f, v in rec.items() if f.startswith("k")},
-        grants={int(f[1:]): int(v) for f, v in rec.items() if f.startswith("q")},
+        grants={int(f[1:]): int(v) for f, v in rec.items() if f[:1] == "q" and f[1:].isdigit()},
         settled="st" in rec,
         cancelled="c" in rec,
         tombstone="v" not in rec,
+        slots=int(rec.get("rq", 0)),
+        slot_windows={
+            f[1:]: int(v) for f, v in rec.items() if f[:1] == "q" and not f[1:].isdigit()
+        },
     )
 
 
@@ -175,6 +183,8 @@ def memory_record(backend: MemoryQuotaBackend, reservation_key: str) -> RecordVi
         settled=record.settlement is not None,
         cancelled=record.cancelled,
         tombstone=record.tombstone,
+        slots=record.slots,
+        slot_windows=dict(record.slot_windows),
     )
 
 

@@ -424,13 +424,16 @@ class MemoryQuotaBackend:
         block_key: str,
         request_counters: tuple[Counter, ...],
         token_counters: tuple[Counter, ...],
+        tombstone_ttl_s: int = RECORD_TTL_S,
     ) -> Settlement:
         """settle.lua's return mode: cancel's, and the unused request slots back."""
-        windows.check_counters(request_counters)
+        windows.check_cancel(tombstone_ttl_s, request_counters)
         windows.check_counters(token_counters)
         now, now_s = self._tick()
         record = self._record(block_key, now)
-        settlement = self._cancel(block_key, token_counters, RECORD_TTL_S, now, now_s, "returned")
+        settlement = self._cancel(
+            block_key, token_counters, tombstone_ttl_s, now, now_s, "returned"
+        )
         if record is not None and record.admitted and not settlement.already_settled:
             for c in request_counters:
                 o = _Open(self, c, now_s, now)

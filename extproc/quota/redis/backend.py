@@ -692,12 +692,13 @@ class RedisQuotaBackend:
         block_key: str,
         request_counters: tuple[Counter, ...],
         token_counters: tuple[Counter, ...],
+        tombstone_ttl_s: int = RECORD_TTL_S,
     ) -> Settlement:
         """Settle the block with used = 0, its unused request slots given back too."""
-        windows.check_counters(request_counters)
+        windows.check_cancel(tombstone_ttl_s, request_counters)
         windows.check_counters(token_counters)
         counters = token_counters + request_counters
-        head = [0, _MODE_RETURN, RECORD_TTL_S, self.owner_id, "returned", -1, 0,
+        head = [0, _MODE_RETURN, tombstone_ttl_s, self.owner_id, "returned", -1, 0,
                 len(request_counters)]  # fmt: skip
         keys, args = self._settle_request(block_key, counters, head, self.server_now_s())
         reply = await self._call("return_block", self._scripts.run_script(self._settle, keys, args))

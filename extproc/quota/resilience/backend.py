@@ -369,11 +369,14 @@ class ResilientQuotaBackend:
         block_key: str,
         request_counters: tuple[Counter, ...],
         token_counters: tuple[Counter, ...],
+        tombstone_ttl_s: int = RECORD_TTL_S,
     ) -> Settlement:
         """Redis's answer, or ``QuotaUnavailable`` (retry it: it is idempotent)."""
         return await self.breakers.guarded(
             block_key,
-            lambda: self.primary.return_block(block_key, request_counters, token_counters),
+            lambda: self.primary.return_block(
+                block_key, request_counters, token_counters, tombstone_ttl_s
+            ),
         )
 
     # -- reconciliation --------------------------------------------------------------------
