@@ -457,8 +457,11 @@ class AdmissionBlocks:
         block_key: str,
         request_counters: tuple[Counter, ...],
         token_counters: tuple[Counter, ...],
+        tombstone_ttl_s: int = RECORD_TTL_S,
     ) -> Settlement:
-        return await self.inner.return_block(block_key, request_counters, token_counters)
+        return await self.inner.return_block(
+            block_key, request_counters, token_counters, tombstone_ttl_s
+        )
 
     async def absorb(self, absorption: Absorption) -> bool:
         return await self.inner.absorb(absorption)

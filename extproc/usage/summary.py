@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from extproc.quota import keys
 from extproc.usage.ledger import Ledger, UsageError, read_range, record
 
 GROUPABLE = ("tenant", "plan", "model", "reason")
@@ -38,7 +39,8 @@ def summarise(
         for entry_id, fields in read_range(ledger.client, stream, since_ms, until_ms):
             rec = record(stream, entry_id, fields)
             group = totals.setdefault(tuple(str(rec[b]) for b in by), Totals())
-            group.requests += 1
+            # An admission block's entry is budget held, not a request (its tokens count).
+            group.requests += not str(rec["request_id"]).startswith(keys.BLOCK_ID_HEAD)
             for name in SUMMED:
                 value = rec[name]
                 group.sums[name] += value if isinstance(value, int) else 0

@@ -907,20 +907,6 @@ def test_memory_and_redis_backends_agree_on_admission_blocks_step_by_step(
     assert env.seen["return_block after a charged window ended"]
 
 
-@pytest.mark.slow
-def test_memory_and_redis_backends_agree_over_long_runs(
-    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    run_differential(redis_server, monkeypatch, _profile(examples=300, steps=60))
-
-
-@pytest.mark.slow
-def test_memory_and_redis_backends_agree_on_admission_blocks_over_long_runs(
-    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    run_differential(redis_server, monkeypatch, _profile(300, 60), BlockDifferential)
-
-
 # --- divergences the machine found, as plain tests on both backends -------------------
 
 

@@ -88,26 +88,30 @@ def test_relay_passes_every_byte_on_in_order(redis_server: RedisServer, tmp_path
     assert stats["bytes"] == len(sets) + 5 * len(values) + len(gets) + len(expected)
 
 
-def test_quick_benchmark_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> None:
+def test_the_benchmark_runs_end_to_end_with_and_without_admission_leases(tmp_path: Path) -> None:
     out = tmp_path / "report"
     done = subprocess.run(
-        [sys.executable, "benchmarks/bench_redis_latency.py", "--quick",
-         "--levels", "1,3", "--requests", "3", "--out", str(out)],
+        [sys.executable, "benchmarks/bench_redis_latency.py", "--quick", "--rtt-ms", "20",
+         "--levels", "1,3", "--requests", "3", "--output-tokens", "40", "--budget-s", "1",
+         "--admission-leases", "both", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert [r["rtt_ms"] for r in report["rtts"]] == [1.0, 50.0]
+    assert [(r["rtt_ms"], r["run"]) for r in report["rtts"]] == [
+        (20.0, "rtt-20"),
+        (20.0, "rtt-20+leases"),
+    ]
     for info in report["rtts"]:
         assert info["ping_ms"]["min"] >= info["rtt_ms"]  # the relay adds what it was told
         assert info["relay"]["chunks"] > 0
-    cells = {(c["rtt_ms"], c["streams"]): c for c in report["cells"]}
-    assert set(cells) == {(1.0, 1), (1.0, 3), (50.0, 1), (50.0, 3)}
+    cells = {(c["admission_leases"], c["streams"]): c for c in report["cells"]}
+    assert set(cells) == {(False, 1), (False, 3), (True, 1), (True, 3)}
     for cell in cells.values():
         assert cell["failed_requests"] == 0
-        # 3 requests of 100 tokens per route, each event metered once: the usage and
-        # finish events on top of the 100 token events.
-        assert cell["events"] >= 3 * 100
+        # 3 requests of 40 tokens per route, each event metered once: the usage and
+        # finish events on top of the 40 token events.
+        assert cell["events"] >= 3 * 40
         assert 0 <= cell["events_waited"] <= cell["events"]
         budget = cell["budget"]
         assert budget["all_settled"]
@@ -115,5 +119,6 @@ def test_quick_benchmark_runs_end_to_end_and_writes_its_report(tmp_path: Path) -
         assert 0 < budget["charged_tokens"] <= budget["budget_tokens"] * budget["windows"]
         assert budget["over_budget"] == 0
     routes = {json.loads(line)["route"] for line in (out / "records.jsonl").open()}
-    assert routes == {"envoy", "rtt-1", "rtt-50"}
-    assert "TTFT added" in (out / "table.txt").read_text()
+    assert routes == {"envoy", "rtt-20", "rtt-20+leases"}
+    table = (out / "table.txt").read_text()
+    assert "TTFT added" in table and "with admission leases" in table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import signal
 import subprocess
@@ -15,7 +16,9 @@ import orjson
 import pytest
 import redis
 
-from extproc.quota.base import LEDGER_FIELDS
+from extproc.quota.base import LEDGER_FIELDS, AdmitRequest, Counter, UsageTags
+from extproc.quota.keys import block_key, counter_key, reservation_key
+from extproc.quota.redis.backend import RedisQuotaBackend
 from extproc.usage.ledger import COLUMNS
 from loadlab.procs import ManagedProcess, free_port
 from loadlab.redis_server import RedisServer
@@ -256,3 +259,37 @@ def test_bad_input_and_unreachable_redis_exit_2_with_one_line(
     done = usage("summary", *filled)
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr
+
+
+def test_summary_counts_an_admission_blocks_entry_in_the_sums_not_as_a_request(
+    usage_redis: RedisServer, plain: redis.Redis
+) -> None:
+    """A block taken, one request admitted out of it, both settled: two ledger entries,
+    one request; the tokens of both in the sums."""
+    tpm = Counter("tpm", counter_key("blocky", "tpm", "gpt-4.1", 3600), 10**9, 3600)
+
+    async def run() -> None:
+        backend = RedisQuotaBackend.from_url(usage_redis.url)
+        tags = UsageTags("pro", "gpt-4.1", "", 0)
+        block = block_key("blocky", "owner", 1)
+        request = reservation_key("blocky", "req-1")
+        try:
+            taken = await backend.take_block(AdmitRequest(block, (), (tpm,), 500, usage=tags), 5)
+            assert taken.verdict.admitted
+            used = AdmitRequest(request, (), (tpm,), 52, usage=UsageTags("pro", "gpt-4.1", "c", 20))
+            assert (await backend.admit_from_block(block, used)).from_block
+            await backend.settle(request, (tpm,), 30, output_tokens=10)
+            await backend.return_block(block, (), (tpm,))
+        finally:
+            await backend.close()
+
+    asyncio.run(run())
+    assert len(all_entries(plain)) == 2
+    times = sorted(int(i.split("-")[0]) for _, i in all_entries(plain))
+    span = ("--since", iso(times[0]), "--until", iso(times[-1] + 1))
+    done = usage("summary", "--redis-url", usage_redis.url, *span, "--format", "json")
+    assert done.returncode == 0, done.stderr
+    (row,) = orjson.loads(done.stdout)
+    assert row["requests"] == 1
+    assert row["used"] == 30
+    assert row["reserved"] == 500  # the request's 52 and the block's 448 left
