@@ -17,7 +17,8 @@ bash scripts/setup.sh
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports  # the layer contracts in pyproject.toml: no import back up
 .venv/bin/mypy  # extproc/ in strict mode ([tool.mypy] in pyproject.toml)
-PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider -n "${EXTPROC_TEST_WORKERS:-4}" --dist loadfile)
+PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider -n "${EXTPROC_TEST_WORKERS:-4}" --dist loadfile
+  --no-loadscope-reorder)  # keep the costliest-first order of tests/conftest.py
 if [ "$FAST" = 1 ]; then
   exec "${PYTEST[@]}" -m "not slow" tests/billing tests/admission tests/quota tests/config \
     tests/tokens tests/test_docs.py "$@"

@@ -23,6 +23,13 @@ LONG = {
 PARTS = 5  # redis-server, the simulator, two processors, Envoy
 
 
+def stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_mid_run_stops_every_part(sig: int, tmp_path: Path) -> None:
     scenario = write_scenario(tmp_path / "long.yaml", LONG)
@@ -36,10 +43,12 @@ def test_a_signal_mid_run_stops_every_part(sig: int, tmp_path: Path) -> None:
     seen: set[int] = set()
     try:
         deadline = time.monotonic() + 120
-        while "redis_pause at" not in log.read_text() and time.monotonic() < deadline:
+        # Until a part is stopped (SIGSTOP: Redis, paused by the fault for 20 s more).
+        while not any(map(stopped, seen)) and time.monotonic() < deadline:
             assert proc.poll() is None, log.read_text()
             seen |= children(proc.pid)
             time.sleep(0.02)
+        assert any(map(stopped, seen)), log.read_text()
         seen |= children(proc.pid)
         # Every part is up; a short-lived helper process (git, say) may be up beside them.
         assert len(children(proc.pid)) >= PARTS, log.read_text()
