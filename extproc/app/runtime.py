@@ -51,6 +51,23 @@ def redis_credentials(config: Config) -> dict[str, str]:
     return {k: v for k, v in found.items() if v is not None}
 
 
+def quota_backend(config: Config, metrics: Metrics, fail_open_workers: int = 1) -> QuotaBackend:
+    """The quota backend ``config`` names, counting into ``metrics``."""
+    return backend_from_url(
+        config.redis_url,
+        command_timeout_s=config.quota_timeout_s,
+        resilience=Resilience(
+            failures=config.circuit_breaker.failures,
+            probe_interval_s=config.circuit_breaker.probe_interval_s,
+            queue_max=config.settle_queue_max,
+            fail_open_workers=fail_open_workers,
+        ),
+        metrics=metrics,
+        ledger=config.usage_ledger,
+        **redis_credentials(config),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Billing:
     """What every meter uses (``extproc.billing.meter.BillingDeps``)."""
@@ -62,12 +79,17 @@ class Billing:
 
 class Runtime:
     def __init__(
-        self, config: Config, backend: QuotaBackend | None = None, fail_open_workers: int = 1
+        self,
+        config: Config,
+        backend: QuotaBackend | None = None,
+        fail_open_workers: int = 1,
+        metrics: Metrics | None = None,
     ) -> None:
         """``fail_open_workers``: processes sharing this host's fail-open allowances
-        (``serve --workers N``): each takes 1/N of them."""
+        (``serve --workers N``): each takes 1/N of them. ``backend``, with the ``metrics``
+        it counts into: built already (``quota_backend``); else built here."""
         self.config = config
-        self.metrics = Metrics()
+        self.metrics = metrics if metrics is not None else Metrics()
         self.metrics_registry = registry_for(
             MetricsCollector(
                 self.metrics,
@@ -94,19 +116,7 @@ class Runtime:
         self.backend = (
             backend
             if backend is not None
-            else backend_from_url(
-                config.redis_url,
-                command_timeout_s=config.quota_timeout_s,
-                resilience=Resilience(
-                    failures=config.circuit_breaker.failures,
-                    probe_interval_s=config.circuit_breaker.probe_interval_s,
-                    queue_max=config.settle_queue_max,
-                    fail_open_workers=fail_open_workers,
-                ),
-                metrics=self.metrics,
-                ledger=config.usage_ledger,
-                **redis_credentials(config),
-            )
+            else quota_backend(config, self.metrics, fail_open_workers)
         )
         self.tracer: Tracer | None = tracer_from_env()
         self.registry = TokenizerRegistry(tokenizer_rules(config))

@@ -23,9 +23,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.exposition import choose_encoder
 
 from extproc.app.reload import DEFAULT_POLL_S, ConfigReloader
-from extproc.app.runtime import Runtime
+from extproc.app.runtime import Runtime, quota_backend
 from extproc.app.workers import WorkerRole, beat_supervisor
 from extproc.config import Config
+from extproc.metrics import Metrics
 from extproc.quota.base import QuotaMisconfigured, QuotaUnavailable
 from extproc.transport.service import ExternalProcessorService
 from extproc.transport.tls import RotatingCredentials
@@ -65,7 +66,19 @@ async def serve(
     with ``overrides``), SIGHUP and every change of its content seen by a poll each
     ``config_poll_s`` (0: no poll) reload it. ``role``: a worker of ``serve --workers N``
     (its share of the fail-open allowance, its beats to the supervisor)."""
-    runtime = Runtime(config, fail_open_workers=role.count if role is not None else 1)
+    workers = role.count if role is not None else 1
+    metrics = Metrics()
+    backend = quota_backend(config, metrics, workers)
+    # Before the tokenizers load (about a second of CPU): a worker that cannot reach its
+    # backend exits at once, and a restart loop over a dead Redis costs little.
+    where = config.normalised["redis_url"]
+    try:
+        await backend.check()  # says why it failed
+    except QuotaMisconfigured as exc:
+        raise RuntimeError(f"quota backend at {where}: {exc}") from exc
+    except QuotaUnavailable as exc:
+        raise RuntimeError(f"quota backend at {where} does not answer") from exc
+    runtime = Runtime(config, backend, fail_open_workers=workers, metrics=metrics)
     runtime.warm_up()
     # Tokenizer vocabularies are hundreds of thousands of long-lived objects: keep the cyclic
     # GC from rescanning them, and collect young objects less often (measured: the
@@ -73,13 +86,6 @@ async def serve(
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    where = config.normalised["redis_url"]
-    try:
-        await runtime.backend.check()  # says why it failed
-    except QuotaMisconfigured as exc:
-        raise RuntimeError(f"quota backend at {where}: {exc}") from exc
-    except QuotaUnavailable as exc:
-        raise RuntimeError(f"quota backend at {where} does not answer") from exc
 
     loop = asyncio.get_running_loop()
     # Before SERVING: a SIGHUP sent once the processor answers is never lost.
