@@ -39,6 +39,7 @@ from typing import Any
 
 import structlog
 
+from extproc.admission.retry import NoAnswer, until_answered
 from extproc.config.schema import AdmissionLeaseSpec
 from extproc.metrics import Metrics
 from extproc.quota import keys
@@ -73,8 +74,6 @@ COOLDOWN_S = 1.0
 REAP_INTERVAL_S = 0.1
 CLOSE_RETURN_S = 2.0
 LEASE_WAIT_S = 2.0
-CALL_ATTEMPTS = 30
-BACKOFF_MAX_S = 5.0
 
 
 Ident = tuple[tuple[Counter, ...], tuple[Counter, ...]]
@@ -290,35 +289,40 @@ class AdmissionBlocks:
     async def _record(self, block: _Held, request: AdmitRequest) -> Verdict:
         """Move ``request``'s share out of ``block`` into its own record, until answered."""
         backend = self.inner
+
+        async def record() -> Verdict:
+            self.metrics.quota_round_trips_total += 1
+            return await backend.admit_from_block(block.key, request)
+
+        def failed(attempt: int, exc: Exception) -> None:
+            self.metrics.backend_errors["admit_from_block"] += 1
+            log.warning(
+                "block_record_retry",
+                request_id=request.reservation_key,
+                attempt=attempt,
+                error=repr(exc),
+            )
+
         try:
-            for attempt in range(CALL_ATTEMPTS):
-                try:
-                    self.metrics.quota_round_trips_total += 1
-                    verdict = await backend.admit_from_block(block.key, request)
-                except Exception as exc:
-                    self.metrics.backend_errors["admit_from_block"] += 1
-                    log.warning(
-                        "block_record_retry",
-                        request_id=request.reservation_key,
-                        attempt=attempt,
-                        error=repr(exc),
-                    )
-                    await asyncio.sleep(min(0.1 * 2**attempt, BACKOFF_MAX_S))
-                    continue
-                if not (verdict.from_block or verdict.replayed):
-                    # The block was gone (a peer took this processor for dead and settled
-                    # it as used): the request was admitted, or refused, on its own.
-                    self.metrics.admission_blocks["overdrawn"] += 1
-                    log.error(
-                        "block_overdrawn", block=block.key, request_id=request.reservation_key
-                    )
-                elif self._near_limit(block, verdict.states):
-                    self._retire(block)
-                return verdict
-            block.poisoned = True
-            self.metrics.settle_errors_total += 1
-            log.error("block_record_failed", block=block.key, request_id=request.reservation_key)
-            raise RuntimeError(f"no record for {request.reservation_key} from {block.key}")
+            try:
+                verdict = await until_answered(record, failed)
+            except NoAnswer:
+                block.poisoned = True
+                self.metrics.settle_errors_total += 1
+                log.error(
+                    "block_record_failed", block=block.key, request_id=request.reservation_key
+                )
+                raise RuntimeError(
+                    f"no record for {request.reservation_key} from {block.key}"
+                ) from None
+            if not (verdict.from_block or verdict.replayed):
+                # The block was gone (a peer took this processor for dead and settled it as
+                # used): the request was admitted, or refused, on its own.
+                self.metrics.admission_blocks["overdrawn"] += 1
+                log.error("block_overdrawn", block=block.key, request_id=request.reservation_key)
+            elif self._near_limit(block, verdict.states):
+                self._retire(block)
+            return verdict
         finally:
             task = asyncio.current_task()
             if task is not None:
@@ -381,18 +385,21 @@ class AdmissionBlocks:
             self.metrics.admission_blocks["returned"] += 1
 
     async def _retry(self, operation: str, call: Callable[[], Coroutine[Any, Any, Any]]) -> bool:
-        for attempt in range(CALL_ATTEMPTS):
-            try:
-                self.metrics.quota_round_trips_total += 1
-                await call()
-                return True
-            except Exception as exc:
-                self.metrics.backend_errors[operation] += 1
-                log.warning("block_retry", operation=operation, attempt=attempt, error=repr(exc))
-                await asyncio.sleep(min(0.1 * 2**attempt, BACKOFF_MAX_S))
-        self.metrics.settle_errors_total += 1
-        log.error("block_call_failed", operation=operation)
-        return False
+        async def counted() -> None:
+            self.metrics.quota_round_trips_total += 1
+            await call()
+
+        def failed(attempt: int, exc: Exception) -> None:
+            self.metrics.backend_errors[operation] += 1
+            log.warning("block_retry", operation=operation, attempt=attempt, error=repr(exc))
+
+        try:
+            await until_answered(counted, failed)
+        except NoAnswer:
+            self.metrics.settle_errors_total += 1
+            log.error("block_call_failed", operation=operation)
+            return False
+        return True
 
     async def return_all(self) -> None:
         """Return every block (shutdown), and wait for those already going back."""

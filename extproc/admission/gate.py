@@ -22,6 +22,7 @@ from extproc.admission.request import (
     parse_unserialised,
     serialise,
 )
+from extproc.admission.retry import NoAnswer, until_answered
 from extproc.config import Config, TenantSpec
 from extproc.config.schema import NANO_PER_UNIT
 from extproc.endpoints import Endpoint
@@ -273,30 +274,28 @@ class Admission:
         await cancel_until_answered(self.backend, reservation_key, counters, self.metrics)
 
 
-CANCEL_ATTEMPTS = 30
-CANCEL_BACKOFF_MAX_S = 5.0
-
-
 async def cancel_until_answered(
     backend: QuotaBackend, reservation_key: str, counters: tuple[Counter, ...], metrics: Metrics
 ) -> bool:
-    """Retry ``cancel`` (idempotent) with backoff until the backend answers (~2 minutes)."""
+    """Cancel (idempotent) until the backend answers (``extproc.admission.retry``)."""
     loop = asyncio.get_running_loop()
-    for attempt in range(CANCEL_ATTEMPTS):
+
+    async def cancel() -> None:
         started = loop.time()
-        try:
-            await backend.cancel(reservation_key, counters)
-            metrics.observe("backend", ("cancel",), loop.time() - started)
-            return True
-        except Exception as exc:
-            metrics.backend_errors["cancel"] += 1
-            log.warning(
-                "cancel_retry", request_id=reservation_key, attempt=attempt, error=repr(exc)
-            )
-            await asyncio.sleep(min(0.1 * 2**attempt, CANCEL_BACKOFF_MAX_S))
-    metrics.settle_errors_total += 1
-    log.error("cancel_failed", request_id=reservation_key)
-    return False
+        await backend.cancel(reservation_key, counters)
+        metrics.observe("backend", ("cancel",), loop.time() - started)
+
+    def failed(attempt: int, exc: Exception) -> None:
+        metrics.backend_errors["cancel"] += 1
+        log.warning("cancel_retry", request_id=reservation_key, attempt=attempt, error=repr(exc))
+
+    try:
+        await until_answered(cancel, failed)
+    except NoAnswer:
+        metrics.settle_errors_total += 1
+        log.error("cancel_failed", request_id=reservation_key)
+        return False
+    return True
 
 
 def _amount(counter: Counter | None, value: int) -> str:
