@@ -13,7 +13,10 @@ fi
 INSTALLED='import extproc, llmsim, loadlab, stack, matplotlib, envoy.service.ext_proc.v3, openai, pytest'
 if ! .venv/bin/python -I -c "$INSTALLED" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.installed ] || [ lab/pyproject.toml -nt .venv/.installed ]; then
-  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[test]' -e ./lab
+  # --no-compile, then compileall: the same bytecode, written on every core, not on one.
+  .venv/bin/pip install --quiet --no-compile --disable-pip-version-check -e '.[test]' -e ./lab
+  .venv/bin/python -m compileall -q -j 0 \
+    "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null
   touch .venv/.installed
 fi
 # Compile the checkout's packages now: with PYTHONDONTWRITEBYTECODE set (as here) Python

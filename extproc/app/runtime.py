@@ -19,21 +19,22 @@ from extproc.quota.base import QuotaBackend
 from extproc.quota.factory import backend_from_url
 from extproc.quota.liveness.orphans import Liveness, start_liveness
 from extproc.quota.resilience.backend import Resilience
-from extproc.tokens.registry import DEFAULT_RULES, TokenizerRegistry, TokenizerRule
+from extproc.tokens.registry import TokenizerRegistry, TokenizerRule
 from extproc.tracing import Tracer, tracer_from_env
 
 log = structlog.get_logger("extproc.app.runtime")
 
 
 def tokenizer_rules(config: Config) -> list[TokenizerRule]:
-    """Per-model tokenizers (exact names) first, then ``tokenizers`` rules, then the defaults."""
+    """Per-model tokenizers (exact names) first, then ``tokenizers`` rules (the registry
+    tries its built-in defaults after them)."""
     rules = [
         TokenizerRule(model.name.lower(), model.tokenizer)
         for model in config.models.values()
         if model.tokenizer is not None
     ]
     rules.extend(TokenizerRule.from_dict(raw, i) for i, raw in enumerate(config.tokenizers or ()))
-    return [*rules, *DEFAULT_RULES]
+    return rules
 
 
 def build_registry(config: Config) -> TokenizerRegistry:

@@ -7,6 +7,7 @@ sidecars) have no network, so every encoding is built from a file shipped in
 
 from __future__ import annotations
 
+import binascii
 import gzip
 import hashlib
 import threading
@@ -225,14 +226,13 @@ def _read_ranks(spec: _TiktokenSpec, data_dir: Path) -> dict[bytes, int]:
     digest = hashlib.sha256(blob).hexdigest()
     if digest != spec.sha256:
         raise TokenizerLoadError(f"{path}: sha256 {digest} does not match {spec.sha256}")
-    ranks: dict[bytes, int] = {}
-    import base64
-
-    for line in blob.splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    return ranks
+    # binascii directly: base64.b64decode is this call plus ~1 µs of checks per line,
+    # a fifth of the parse over 200k lines (every process start pays it).
+    decode = binascii.a2b_base64
+    return {
+        decode(token): int(rank)
+        for token, rank in (line.split() for line in blob.splitlines() if line)
+    }
 
 
 _cache: dict[str, TextTokenizer] = {}

@@ -5,10 +5,13 @@ Rules map a model name (exact, or a glob such as ``gpt-4o*``) to a tokenizer spe
 Matching is case-insensitive; an exact rule always beats a pattern, and patterns are tried
 in the order given. Any model no rule matches is counted by the conservative estimator.
 
-Tokenizers are loaded when the registry is built, each spec once, and shared by every
-request. A tokenizer that cannot be loaded must not take the sidecar down: its models fall
-back to the estimator (which over-counts, never under-counts), the failure is logged and
-counted in ``load_failures`` so the processor can export it.
+The configured rules' tokenizers are loaded when the registry is built; a built-in
+default's only when a model first resolves to it (the processor resolves every configured
+model at start, so never on a request, and never a vocabulary no model uses). Each spec is
+loaded once and shared by every request. A tokenizer that cannot be loaded must not take
+the sidecar down: its models fall back to the estimator (which over-counts, never
+under-counts), the failure is logged and counted in ``load_failures`` so the processor can
+export it.
 """
 
 from __future__ import annotations
@@ -100,24 +103,28 @@ class TokenizerRegistry:
         self,
         rules: Iterable[TokenizerRule],
         *,
+        defaults: Iterable[TokenizerRule] = DEFAULT_RULES,
         safety_factor: float = DEFAULT_SAFETY_FACTOR,
         data_dir: Path = DATA_DIR,
     ) -> None:
-        self.rules = tuple(rules)
+        """``rules`` (configured: loaded now, so a broken one is reported at once), then
+        ``defaults`` (loaded when first resolved to)."""
+        configured = tuple(rules)
+        self.rules = (*configured, *defaults)
         self.estimator = model_tokenizer_for(TokenEstimator(safety_factor))
         self.load_failures = 0
         self.failed_tokenizers: dict[str, str] = {}
-        loaded: dict[tuple[str, str | None], ModelTokenizer] = {}
-        self._exact: dict[str, ModelTokenizer] = {}
-        self._patterns: list[tuple[str, ModelTokenizer]] = []
+        self._data_dir = data_dir
+        self._loaded: dict[tuple[str, str | None], ModelTokenizer] = {}
+        self._exact: dict[str, TokenizerRule] = {}
+        self._patterns: list[TokenizerRule] = []
         for rule in self.rules:
-            key = (rule.tokenizer, rule.family)
-            if key not in loaded:
-                loaded[key] = self._load(rule, data_dir)
             if rule.is_pattern:
-                self._patterns.append((rule.match, loaded[key]))
+                self._patterns.append(rule)
             else:
-                self._exact.setdefault(rule.match, loaded[key])
+                self._exact.setdefault(rule.match, rule)
+        for rule in configured:
+            self._tokenizer(rule)
         self._resolved: dict[str, ModelTokenizer] = {}
 
     @classmethod
@@ -133,12 +140,17 @@ class TokenizerRegistry:
         Raises ValueError for a malformed rule (a startup error), never for a tokenizer
         that fails to load (a runtime degradation, handled by falling back).
         """
-        parsed = (
-            DEFAULT_RULES
-            if rules is None
-            else tuple(TokenizerRule.from_dict(raw, i) for i, raw in enumerate(rules))
-        )
-        return cls(parsed, safety_factor=safety_factor, data_dir=Path(data_dir))
+        if rules is None:
+            return cls((), safety_factor=safety_factor, data_dir=Path(data_dir))
+        parsed = tuple(TokenizerRule.from_dict(raw, i) for i, raw in enumerate(rules))
+        return cls(parsed, defaults=(), safety_factor=safety_factor, data_dir=Path(data_dir))
+
+    def _tokenizer(self, rule: TokenizerRule) -> ModelTokenizer:
+        key = (rule.tokenizer, rule.family)
+        found = self._loaded.get(key)
+        if found is None:
+            found = self._loaded[key] = self._load(rule, self._data_dir)
+        return found
 
     def _load(self, rule: TokenizerRule, data_dir: Path) -> ModelTokenizer:
         if rule.tokenizer == ESTIMATOR_SPEC:
@@ -165,12 +177,10 @@ class TokenizerRegistry:
         if cached is not None:
             return cached
         name = model.lower()
-        found = self._exact.get(name)
-        if found is None:
-            found = next(
-                (tok for pattern, tok in self._patterns if fnmatch.fnmatchcase(name, pattern)),
-                self.estimator,
-            )
+        rule = self._exact.get(name)
+        if rule is None:
+            rule = next((r for r in self._patterns if fnmatch.fnmatchcase(name, r.match)), None)
+        found = self.estimator if rule is None else self._tokenizer(rule)
         if len(self._resolved) >= RESOLUTION_CACHE_LIMIT:
             self._resolved.clear()
         self._resolved[model] = found

@@ -253,6 +253,9 @@ def test_the_images_install_step_succeeds_from_the_context_alone(tmp_path: Path)
         "PIP_NO_INDEX": "1",
         "PIP_FIND_LINKS": str(wheelhouse),
         "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        # --no-compile (pip reads this negated flag's variable inverted: "0" turns it off):
+        # the image's first commands below write the bytecode of what they import instead.
+        "PIP_NO_COMPILE": "0",
     }
     backend(tomllib.loads((context / "pyproject.toml").read_text()), wheelhouse)
     steps = _pip_steps()

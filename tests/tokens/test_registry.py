@@ -139,3 +139,24 @@ def test_unbounded_model_names_do_not_grow_the_resolution_cache(
     for i in range(10_000):
         registry.counter_for(f"random-model-{i}")
     assert len(registry._resolved) <= 4096
+
+
+def test_a_built_in_default_loads_only_when_a_model_resolves_to_it(tmp_path: Path) -> None:
+    # Only o200k's file is here: a default that loaded eagerly would fail at once.
+    shutil.copy(DATA_DIR / "o200k_base.tiktoken.gz", tmp_path)
+    registry = TokenizerRegistry([TokenizerRule("mine", "o200k_base")], data_dir=tmp_path)
+    assert registry.load_failures == 0 and registry.failed_tokenizers == {}
+    assert registry.counter_for("mine").name == "o200k_base"
+    assert registry.counter_for("gpt-4o").name == "o200k_base"  # a default, loaded already
+    assert registry.load_failures == 0
+    assert registry.counter_for("gpt-4").kind == "estimator"  # its default file is missing
+    assert set(registry.failed_tokenizers) == {"cl100k_base"} and registry.load_failures == 1
+    assert registry.counter_for("gpt-3.5-turbo").kind == "estimator"
+    assert registry.load_failures == 1  # tried once, not per model
+
+
+def test_a_broken_configured_tokenizer_is_reported_before_any_model_uses_it(
+    tmp_path: Path,
+) -> None:
+    registry = TokenizerRegistry([TokenizerRule("typo-*", "o200k")], data_dir=tmp_path)
+    assert set(registry.failed_tokenizers) == {"o200k"} and registry.load_failures == 1
