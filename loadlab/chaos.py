@@ -41,6 +41,7 @@ from loadlab.integrity import (
     WELL_FORMED,
     Check,
     Watcher,
+    block_figures,
     check_budget,
     check_counters,
     check_open,
@@ -582,6 +583,11 @@ def processor_figures(metrics: Sequence[dict[str, float]]) -> dict[str, Any]:
         "cutoffs": total("extproc_cutoffs_total"),
         "orphan_settlements": total("extproc_orphan_settlements_total"),
         "malformed_events": total("extproc_malformed_events_total"),
+        "local_admissions": total("extproc_local_admissions_total"),
+        "admission_blocks": {
+            r: total(f'extproc_admission_blocks_total{{result="{r}"}}')
+            for r in ("taken", "refused", "failed", "returned", "overdrawn")
+        },
         "settlements": {r: total(f'extproc_settlements_total{{reason="{r}"}}') for r in reasons},
     }
 
@@ -717,6 +723,7 @@ def main(argv: Sequence[str]) -> int:
         watcher_replica_reads=w.replica_reads,
         processor_metrics=processor_figures(result["metrics"]),
         ledger_reasons=reasons,
+        admission_blocks=block_figures(w, result["final"]["live_owners"]),
         tamper=result["final"].get("tamper")
         and {k: v for k, v in result["final"].items() if k != "live_owners"},
         finished_load_average=finished["finished_load_average"],

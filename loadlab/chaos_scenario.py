@@ -66,6 +66,9 @@ class Fault:
     # A worker kill waits (from ``at``, up to MIN_OPEN_WAIT_S) until the worker holds this
     # many admitted, unsettled streams: the kill leaves records to settle, by construction.
     min_open: int = 0
+    # A processor kill waits likewise until its target holds this many admission blocks
+    # (``processor.admission_leases``): the kill leaves blocks for a peer to charge.
+    min_blocks: int = 0
 
     def to_doc(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"at": f"{self.at_s:g}s", "fault": self.kind}
@@ -79,6 +82,8 @@ class Fault:
             doc["master"] = self.master
         if self.min_open:
             doc["min_open"] = self.min_open
+        if self.min_blocks:
+            doc["min_blocks"] = self.min_blocks
         return doc
 
 
@@ -119,6 +124,9 @@ class ChaosScenario:
     stream_idle_timeout_s: float = 1.0
     heartbeat_ttl_s: int = 2
     orphan_sweep_s: float = 0.5
+    # The processors' ``admission_leases`` (0: off): a block holds this share of each limit
+    admission_lease_fraction: float = 0.0
+    admission_lease_idle_ms: int = 1000
     # Load: Poisson arrivals at ``rate`` per second, at most ``max_concurrency`` in flight
     rate: float = 10.0
     max_concurrency: int = 64
@@ -169,6 +177,16 @@ class ChaosScenario:
                 "stream_idle_timeout_s": self.stream_idle_timeout_s,
                 "heartbeat_ttl_s": self.heartbeat_ttl_s,
                 "orphan_sweep_s": self.orphan_sweep_s,
+                **(
+                    {
+                        "admission_leases": {
+                            "fraction": self.admission_lease_fraction,
+                            "idle_ms": self.admission_lease_idle_ms,
+                        }
+                    }
+                    if self.admission_lease_fraction
+                    else {}
+                ),
             },
             "load": {
                 "rate": self.rate,
@@ -290,6 +308,7 @@ def parse_chaos(doc: object) -> ChaosScenario:
             "stream_idle_timeout_s",
             "heartbeat_ttl_s",
             "orphan_sweep_s",
+            "admission_leases",
         },
     )
     if "count" in proc:
@@ -316,6 +335,14 @@ def parse_chaos(doc: object) -> ChaosScenario:
         c["heartbeat_ttl_s"] = _int(proc["heartbeat_ttl_s"], "processor.heartbeat_ttl_s", 1)
     if "orphan_sweep_s" in proc:
         c["orphan_sweep_s"] = _float(proc["orphan_sweep_s"], "processor.orphan_sweep_s", 0.1)
+    if "admission_leases" in proc:
+        key = "processor.admission_leases"
+        leases = _mapping(proc["admission_leases"], key, {"fraction", "idle_ms"})
+        fraction = _float(leases.get("fraction", 0.05), f"{key}.fraction", positive=True)
+        if fraction > 0.25:
+            raise ScenarioError(f"{key}.fraction", f"must be at most 0.25, got {fraction:g}")
+        c["admission_lease_fraction"] = fraction
+        c["admission_lease_idle_ms"] = _int(leases.get("idle_ms", 1000), f"{key}.idle_ms", 10)
     load = _mapping(
         top.get("load"),
         "load",
@@ -356,7 +383,11 @@ def parse_chaos(doc: object) -> ChaosScenario:
 
 
 def _fault(value: object, key: str) -> Fault:
-    doc = _mapping(value, key, {"at", "fault", "for", "processor", "worker", "master", "min_open"})
+    doc = _mapping(
+        value,
+        key,
+        {"at", "fault", "for", "processor", "worker", "master", "min_open", "min_blocks"},
+    )
     if "at" not in doc:
         raise ScenarioError(f"{key}.at", "is required")
     if "fault" not in doc:
@@ -380,6 +411,11 @@ def _fault(value: object, key: str) -> Fault:
         if worker is None:
             raise ScenarioError(f"{key}.min_open", "only for a processor_kill with worker")
         min_open = _int(doc["min_open"], f"{key}.min_open", 1)
+    min_blocks = 0
+    if "min_blocks" in doc:
+        if kind != "processor_kill":
+            raise ScenarioError(f"{key}.min_blocks", f"only for processor_kill, not {kind}")
+        min_blocks = _int(doc["min_blocks"], f"{key}.min_blocks", 1)
     if "master" in doc:
         if kind != "redis_kill":
             raise ScenarioError(f"{key}.master", f"only for redis_kill, not {kind}")
@@ -394,6 +430,7 @@ def _fault(value: object, key: str) -> Fault:
         worker,
         master,
         min_open,
+        min_blocks,
     )
 
 
@@ -428,6 +465,10 @@ def check_chaos(s: ChaosScenario) -> ChaosScenario:
         if f.kind == "processor_kill" and f.worker is None and s.workers > 1:
             raise ScenarioError(
                 f"faults[{i}].worker", "a processor with workers is killed one worker at a time"
+            )
+        if f.min_blocks and not s.admission_lease_fraction:
+            raise ScenarioError(
+                f"faults[{i}].min_blocks", "needs processor.admission_leases: no blocks without"
             )
         if f.worker is not None and f.worker >= s.workers:
             raise ScenarioError(

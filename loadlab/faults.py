@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,14 +45,26 @@ HEALTH = ProcessorHealthCheck(interval_s=0.5, unhealthy_threshold=2)
 MIN_OPEN_WAIT_S = 30.0
 
 
+def _metrics_of(port: int) -> dict[str, float]:
+    """A processor's (or worker's) /metrics; empty when it is not answering."""
+    try:
+        _, text = http_get(f"http://127.0.0.1:{port}/metrics", 0.5)
+    except OSError:
+        return {}
+    return parse_metrics(text)
+
+
 def worker_open(sup: Supervisor, worker: int) -> int:
     """Streams a worker admitted and has not settled, from its /metrics (0: not answering)."""
-    try:
-        _, text = http_get(f"http://127.0.0.1:{sup.metrics_port + worker}/metrics", 0.5)
-    except OSError:
-        return 0
-    m = parse_metrics(text)
+    m = _metrics_of(sup.metrics_port + worker)
     return int(m.get("extproc_requests_admitted_total", 0) - m.get("extproc_settlements_total", 0))
+
+
+def blocks_held(port: int) -> int:
+    """Admission blocks a processor took and has not returned, from its /metrics."""
+    m = _metrics_of(port)
+    taken = m.get('extproc_admission_blocks_total{result="taken"}', 0)
+    return int(taken - m.get('extproc_admission_blocks_total{result="returned"}', 0))
 
 
 def tenant_name(i: int) -> str:
@@ -86,6 +99,11 @@ def processor_config(
             "heartbeat_ttl_s": s.heartbeat_ttl_s,
             "orphan_sweep_s": s.orphan_sweep_s,
             "quota_timeout_ms": 500,
+            "admission_leases": {
+                "enabled": s.admission_lease_fraction > 0,
+                "fraction": s.admission_lease_fraction or 0.05,
+                "idle_ms": s.admission_lease_idle_ms,
+            },
         },
     )
 
@@ -377,12 +395,29 @@ class ChaosParts:
     def _redis_restart(self, f: Fault) -> None:
         self._redis_down(f, signal.SIGTERM, "redis_restart", f.for_s)
 
+    def _wait_for_at_least(self, wanted: int, count: Callable[[], int]) -> int:
+        """Polls ``count`` from the fault's ``at`` until it reaches ``wanted`` (at most
+        MIN_OPEN_WAIT_S, or until the run ends); what it last read."""
+        deadline = time.monotonic() + MIN_OPEN_WAIT_S
+        held = 0
+        while time.monotonic() < deadline and not self.ending:
+            held = count()
+            if held >= wanted:
+                break
+            time.sleep(0.02)
+        return held
+
     def _processor_down(self, f: Fault, sig: int, kind: str) -> None:
         p = self.processors[f.index]
         if p is None:
             self._record(kind, f"processor {f.index}", note="already down").ended_s = time.time()
             return
-        a = self._record(kind, f"processor {f.index} pid {p.process.pid}")
+        note = ""
+        if f.min_blocks:
+            port = p.metrics_port
+            note = f"holding {self._wait_for_at_least(f.min_blocks, lambda: blocks_held(port))}"
+            note += " admission blocks"
+        a = self._record(kind, f"processor {f.index} pid {p.process.pid}", note=note)
         if sig == signal.SIGKILL:
             self.killed_at.append(a.started_s)
             self.killed_pids.append(p.process.pid)
@@ -394,7 +429,11 @@ class ChaosParts:
             self._sleep(f.for_s)
             if not self.ending:
                 self.processors[f.index] = self._processor(port=p.port)
-                a.note = f"restarted as pid {self.processors[f.index].process.pid}"  # type: ignore[union-attr]
+                restarted = self.processors[f.index]
+                assert restarted is not None
+                a.note = ", ".join(
+                    filter(None, [note, f"restarted as pid {restarted.process.pid}"])
+                )
         a.ended_s = time.time()
 
     def _processor_kill(self, f: Fault) -> None:
@@ -415,14 +454,12 @@ class ChaosParts:
         worker = f.worker
         waited = ""
         if f.min_open:
-            deadline = time.monotonic() + MIN_OPEN_WAIT_S
-            held = 0
-            while time.monotonic() < deadline and not self.ending:
-                held = worker_open(p, worker)
-                if held >= f.min_open:
-                    break
-                time.sleep(0.02)
+            held = self._wait_for_at_least(f.min_open, lambda: worker_open(p, worker))
             waited = f"holding {held} open streams; "
+        if f.min_blocks:
+            port = p.metrics_port + worker
+            held = self._wait_for_at_least(f.min_blocks, lambda: blocks_held(port))
+            waited += f"holding {held} admission blocks; "
         pid = p.worker_pids().get(worker)
         if pid is None:
             self._record("processor_kill", target, note="already down").ended_s = time.time()

@@ -30,7 +30,7 @@ from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from extproc.quota.keys import DEFAULT_PREFIX, heartbeat_key
+from extproc.quota.keys import DEFAULT_PREFIX, heartbeat_key, is_block_key, reservation_names
 
 # Outcome classes a client can see; the last ones are never well-formed unless a fault
 # on the timeline (or the simulator's own disconnects) explains them.
@@ -240,7 +240,7 @@ class Watcher:
             self.records[key] = RecordSeen(
                 key=key,
                 tenant=_tenant_of(key),
-                request_id=key.rsplit(":r:", 1)[1],
+                request_id=reservation_names(key)[1],  # as the ledger spells it
                 admitted=verdict.startswith("1"),  # a cancel of one that ran settles it too
                 settled="st" in fields,
                 owner=fields.get("o", ""),
@@ -485,6 +485,22 @@ def check_settled_once(w: Watcher, kills: Sequence[float]) -> tuple[Check, set[s
         f"settled without a ledger entry {len(missing)}, lost with Redis {len(lost_with_redis)}"
     )
     return Check("settled_exactly_once", passed, figures, summary), set(lost_with_redis)
+
+
+def block_figures(w: Watcher, live_owners: Sequence[str]) -> dict[str, Any]:
+    """The admission blocks seen (``admission_leases``): how many, how many a processor
+    that died held, and how each was settled (its ledger entry's reason)."""
+    reasons = {e.get("request_id", ""): e.get("reason", "") for e in w.ledger.values()}
+    blocks = [r for r in w.records.values() if is_block_key(r.key)]
+    dead = [r for r in blocks if r.owner not in live_owners]
+    return {
+        "seen": len(blocks),
+        "of_dead_processors": len(dead),
+        "settled_as": dict(sorted(Counter(reasons.get(r.request_id, "") for r in blocks).items())),
+        "of_dead_processors_settled_as": dict(
+            sorted(Counter(reasons.get(r.request_id, "") for r in dead).items())
+        ),
+    }
 
 
 def check_open(w: Watcher, kills: Sequence[float], live_owners: Sequence[str]) -> Check:

@@ -35,6 +35,7 @@ COSTLIEST_FIRST = (
     "tools/test_bench_interrupt.py",  # 44
     "deploy/test_docker_context.py",  # 41
     "gateway/test_limits_e2e.py",  # 40
+    "tools/test_chaos_leases.py",  # 40
     "tools/test_redis_latency_bench.py",  # 40
     "quota/test_acl.py",  # 38
     "tools/test_bench_run.py",  # 38

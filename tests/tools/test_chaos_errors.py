@@ -55,6 +55,12 @@ from tests.tools.conftest import ROOT, write_scenario
           "faults": [{"at": "1s", "fault": "processor_term", "worker": 0}]}, "faults[0].worker"),
         ({"faults": [{"at": "1s", "fault": "processor_kill", "min_open": 2}]},
          "faults[0].min_open"),
+        ({"faults": [{"at": "1s", "fault": "processor_kill", "min_blocks": 1}]},
+         "faults[0].min_blocks"),
+        ({"faults": [{"at": "1s", "fault": "redis_pause", "for": "1s", "min_blocks": 1}]},
+         "faults[0].min_blocks"),
+        ({"processor": {"admission_leases": {"fraction": 0.5}}},
+         "processor.admission_leases.fraction"),
     ],
 )  # fmt: skip
 def test_a_bad_scenario_exits_2_naming_the_key(
