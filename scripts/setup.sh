@@ -16,7 +16,7 @@ if ! .venv/bin/python -I -c "$INSTALLED" 2>/dev/null \
   # --no-compile, then compileall: the same bytecode, written on every core, not on one.
   .venv/bin/pip install --quiet --no-compile --disable-pip-version-check -e '.[test]' -e ./lab
   .venv/bin/python -m compileall -q -j 0 \
-    "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null
+    "$(.venv/bin/python -c 'print(__import__("sysconfig").get_paths()["purelib"])')" >/dev/null
   touch .venv/.installed
 fi
 # Compile the checkout's packages now: with PYTHONDONTWRITEBYTECODE set (as here) Python
