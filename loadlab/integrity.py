@@ -488,10 +488,11 @@ def check_settled_once(w: Watcher, kills: Sequence[float]) -> tuple[Check, set[s
 
 
 def block_figures(w: Watcher, live_owners: Sequence[str]) -> dict[str, Any]:
-    """The admission blocks seen (``admission_leases``): how many, how many a processor
+    """The admission blocks taken (``admission_leases``): how many, how many a processor
     that died held, and how each was settled (its ledger entry's reason)."""
     reasons = {e.get("request_id", ""): e.get("reason", "") for e in w.ledger.values()}
-    blocks = [r for r in w.records.values() if is_block_key(r.key)]
+    # Admitted ones: a take undone before it ran leaves a tombstone, which held nothing.
+    blocks = [r for r in w.records.values() if r.admitted and is_block_key(r.key)]
     dead = [r for r in blocks if r.owner not in live_owners]
     return {
         "seen": len(blocks),
