@@ -89,12 +89,14 @@ def gateway(
 
 
 async def hang_up_after_first_event(gateway: Gateway, tenant: str, request_id: str) -> None:
-    """A client that goes away mid-stream, right after its first event."""
+    """A client that goes away mid-stream, right after its first event (or at the end of an
+    answer without one: an upstream that dies before its headers gets Envoy's own 502, and
+    ``Connection: close`` makes Envoy end the connection after it instead of keeping it)."""
     body = orjson.dumps(REQUEST)
     reader, writer = await asyncio.open_connection("127.0.0.1", gateway.envoy.ports.listen)
     writer.write(
         (
-            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
             f"Authorization: Bearer {tenant_key(tenant)}\r\nx-request-id: {request_id}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode()
