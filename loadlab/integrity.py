@@ -606,15 +606,43 @@ def check_counters(
     )
 
 
+def _raised_by_upstream(
+    w: Watcher, records: Sequence[dict[str, Any]]
+) -> dict[tuple[str, int], int]:
+    """Per (tenant, window start): tokens an upstream's usage report billed beyond what the
+    processor let out (the reservation, or the admitted prompt + the output its client
+    received, whichever is more). Settlement bills such a report by design (a ``meter``
+    model's upstream may raise the bill, docs/billing.md); tokens delivered beyond the
+    leases are not in it."""
+    delivered = {r["request_id"]: int(r["output_tokens"]) for r in records if r["status"] == 200}
+    prompts = {r.request_id: int(r.fields.get("pt", 0) or 0) for r in w.records.values()}
+    raised: dict[tuple[str, int], int] = defaultdict(int)
+    for entry in w.ledger.values():
+        client = entry.get("client_request_id", "")
+        if client not in delivered:
+            continue
+        let_out = max(
+            int(entry.get("reserved", 0) or 0),
+            prompts.get(entry.get("request_id", ""), 0) + delivered[client],
+        )
+        extra = int(entry.get("used", 0) or 0) - let_out
+        if extra > 0:
+            for _, start, _ in _net(entry):
+                raised[(entry.get("tenant", ""), start)] += extra
+    return raised
+
+
 def check_budget(w: Watcher, tpm: int, records: Sequence[dict[str, Any]]) -> Check:
     """Tokens charged ≤ the budget in every window of every tenant (the counter is what the
-    processor let out: prompt + every lease), and no request was billed less than what
-    reached its client (so delivered ≤ charged ≤ budget)."""
+    processor let out: prompt + every lease, plus what an upstream's usage report billed
+    beyond that, counted apart), and no request was billed less than what reached its
+    client (so delivered ≤ charged ≤ budget)."""
     ratios = [w_.value / tpm for w_ in w.windows.values()]
+    raised = _raised_by_upstream(w, records)
     over = [
         {"tenant": w_.tenant, "window_start": w_.start, "charged": w_.value}
         for w_ in w.windows.values()
-        if w_.value > tpm
+        if w_.value > tpm + raised.get((w_.tenant, w_.start), 0)
     ]
     by_client_id: dict[str, dict[str, str]] = {}
     for entry in w.ledger.values():
@@ -638,6 +666,7 @@ def check_budget(w: Watcher, tpm: int, records: Sequence[dict[str, Any]]) -> Che
         "windows": len(ratios),
         "max_charged_over_budget": round(max(ratios, default=0.0), 4),
         "windows_over_budget": len(over),
+        "raised_by_upstream_usage": sum(raised.values()),
         "requests_billed_below_delivered": len(underbilled),
         "examples": (over + underbilled)[:5],
     }
@@ -646,7 +675,8 @@ def check_budget(w: Watcher, tpm: int, records: Sequence[dict[str, Any]]) -> Che
         not over and not underbilled,
         figures,
         f"max charged/budget {figures['max_charged_over_budget']:.3f} over {len(ratios)} "
-        f"windows, {len(over)} over; billed below delivered {len(underbilled)}",
+        f"windows, {len(over)} over; raised by upstream usage {sum(raised.values())}; "
+        f"billed below delivered {len(underbilled)}",
     )
 
 

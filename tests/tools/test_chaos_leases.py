@@ -28,6 +28,9 @@ def leases_scenario() -> dict[str, Any]:
     # before the kill) in hour-long windows (none ends during the run).
     doc["processor"]["budget"] = {"tpm": 100_000, "window_s": 3600}
     doc["processor"]["admission_leases"] = {"fraction": 0.05, "idle_ms": 5000}
+    # A heartbeat that outlives the Redis pause (1 s): no live processor is taken for dead,
+    # so no admission finds its block settled by a peer (overdrawn, asserted 0 below).
+    doc["processor"]["heartbeat_ttl_s"] = 4
     pause, kill = doc["faults"]
     assert pause["fault"] == "redis_pause" and kill["fault"] == "processor_kill"
     doc["faults"] = [pause, {**kill, "min_blocks": 1}]
