@@ -632,6 +632,19 @@ def _raised_by_upstream(
     return raised
 
 
+def _entries_in(w: Watcher, tenant: str, start: int) -> list[dict[str, Any]]:
+    """The ledger entries with a net in one window: what a window over its budget is made
+    of, kept in the report (Redis is gone after the run)."""
+    fields = ("request_id", "reason", "prompt_tokens", "output_tokens", "reserved", "used")
+    return [
+        {**{k: entry.get(k, "") for k in fields}, "net_here": net}
+        for entry in w.ledger.values()
+        if entry.get("tenant", "") == tenant
+        for _, window_start, net in _net(entry)
+        if window_start == start
+    ]
+
+
 def check_budget(w: Watcher, tpm: int, records: Sequence[dict[str, Any]]) -> Check:
     """Tokens charged ≤ the budget in every window of every tenant (the counter is what the
     processor let out: prompt + every lease, plus what an upstream's usage report billed
@@ -640,7 +653,12 @@ def check_budget(w: Watcher, tpm: int, records: Sequence[dict[str, Any]]) -> Che
     ratios = [w_.value / tpm for w_ in w.windows.values()]
     raised = _raised_by_upstream(w, records)
     over = [
-        {"tenant": w_.tenant, "window_start": w_.start, "charged": w_.value}
+        {
+            "tenant": w_.tenant,
+            "window_start": w_.start,
+            "charged": w_.value,
+            "entries": _entries_in(w, w_.tenant, w_.start),
+        }
         for w_ in w.windows.values()
         if w_.value > tpm + raised.get((w_.tenant, w_.start), 0)
     ]
