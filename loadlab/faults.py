@@ -99,11 +99,17 @@ def processor_config(
             "heartbeat_ttl_s": s.heartbeat_ttl_s,
             "orphan_sweep_s": s.orphan_sweep_s,
             "quota_timeout_ms": 500,
-            "admission_leases": {
-                "enabled": s.admission_lease_fraction > 0,
-                "fraction": s.admission_lease_fraction or 0.05,
-                "idle_ms": s.admission_lease_idle_ms,
-            },
+            **(
+                {
+                    "admission_leases": {
+                        "enabled": True,
+                        "fraction": s.admission_lease_fraction,
+                        "idle_ms": s.admission_lease_idle_ms,
+                    }
+                }
+                if s.admission_lease_fraction
+                else {}
+            ),
         },
     )
 

@@ -607,23 +607,19 @@ def check_counters(
 
 
 def _raised_by_upstream(
-    w: Watcher, records: Sequence[dict[str, Any]]
+    w: Watcher, billed: Sequence[tuple[dict[str, str], int]]
 ) -> dict[tuple[str, int], int]:
     """Per (tenant, window start): tokens an upstream's usage report billed beyond what the
     processor let out (the reservation, or the admitted prompt + the output its client
-    received, whichever is more). Settlement bills such a report by design (a ``meter``
-    model's upstream may raise the bill, docs/billing.md); tokens delivered beyond the
-    leases are not in it."""
-    delivered = {r["request_id"]: int(r["output_tokens"]) for r in records if r["status"] == 200}
+    received, whichever is more), over ``billed``'s (ledger entry, output delivered) pairs.
+    Settlement bills such a report by design (a ``meter`` model's upstream may raise the
+    bill, docs/billing.md); tokens delivered beyond the leases are not in it."""
     prompts = {r.request_id: int(r.fields.get("pt", 0) or 0) for r in w.records.values()}
     raised: dict[tuple[str, int], int] = defaultdict(int)
-    for entry in w.ledger.values():
-        client = entry.get("client_request_id", "")
-        if client not in delivered:
-            continue
+    for entry, delivered in billed:
         let_out = max(
             int(entry.get("reserved", 0) or 0),
-            prompts.get(entry.get("request_id", ""), 0) + delivered[client],
+            prompts.get(entry.get("request_id", ""), 0) + delivered,
         )
         extra = int(entry.get("used", 0) or 0) - let_out
         if extra > 0:
@@ -651,7 +647,17 @@ def check_budget(w: Watcher, tpm: int, records: Sequence[dict[str, Any]]) -> Che
     beyond that, counted apart), and no request was billed less than what reached its
     client (so delivered ≤ charged ≤ budget)."""
     ratios = [w_.value / tpm for w_ in w.windows.values()]
-    raised = _raised_by_upstream(w, records)
+    by_client_id: dict[str, dict[str, str]] = {}
+    for entry in w.ledger.values():
+        if entry.get("client_request_id"):
+            by_client_id[entry["client_request_id"]] = entry
+    # Each answered request's ledger entry, with the output its client received.
+    billed = [
+        (entry, int(rec["output_tokens"]))
+        for rec in records
+        if rec["status"] == 200 and (entry := by_client_id.get(rec["request_id"])) is not None
+    ]
+    raised = _raised_by_upstream(w, billed)
     over = [
         {
             "tenant": w_.tenant,
@@ -662,23 +668,15 @@ def check_budget(w: Watcher, tpm: int, records: Sequence[dict[str, Any]]) -> Che
         for w_ in w.windows.values()
         if w_.value > tpm + raised.get((w_.tenant, w_.start), 0)
     ]
-    by_client_id: dict[str, dict[str, str]] = {}
-    for entry in w.ledger.values():
-        if entry.get("client_request_id"):
-            by_client_id[entry["client_request_id"]] = entry
-    underbilled = []
-    for rec in records:
-        entry = by_client_id.get(rec["request_id"])
-        if entry is None or rec["status"] != 200:
-            continue
-        if int(entry.get("output_tokens", 0)) < rec["output_tokens"]:
-            underbilled.append(
-                {
-                    "request_id": rec["request_id"],
-                    "billed_output": int(entry["output_tokens"]),
-                    "delivered_output": rec["output_tokens"],
-                }
-            )
+    underbilled = [
+        {
+            "request_id": entry["client_request_id"],  # the client's, as the records name it
+            "billed_output": int(entry["output_tokens"]),
+            "delivered_output": delivered,
+        }
+        for entry, delivered in billed
+        if int(entry.get("output_tokens", 0)) < delivered
+    ]
     figures = {
         "budget_per_window": tpm,
         "windows": len(ratios),

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from tests.tools.conftest import ROOT
+import pytest
+
+from tests.tools.conftest import ROOT, write_scenario
 
 # Seconds, not minutes: 6 s of load at 8 req/s on budgets that run out, the simulator
 # failing, cutting streams and sending malformed events, clients hanging up, a Redis pause
@@ -56,3 +59,19 @@ def chaos(*args: str | Path, timeout_s: float = 240) -> subprocess.CompletedProc
         text=True,
         timeout=timeout_s,
     )
+
+
+def chaos_run(
+    tmp_path_factory: pytest.TempPathFactory, name: str, doc: dict[str, Any], timeout_s: float = 240
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """A module's one ``extproc chaos --quiet`` run of ``doc``: its results folder, and the
+    process."""
+    base = tmp_path_factory.mktemp(name)
+    out = base / "results"
+    scenario = write_scenario(base / f"{name}.yaml", doc)
+    return out, chaos(scenario, "--out", out, "--quiet", timeout_s=timeout_s)
+
+
+def load(out: Path, name: str) -> Any:
+    """A JSON file of a results folder."""
+    return json.loads((out / name).read_text())

@@ -13,7 +13,6 @@ deadline derived from ``heartbeat_ttl_s`` and ``orphan_sweep_s``).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -22,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.tools.chaos_support import INVARIANTS, chaos
-from tests.tools.conftest import ROOT, write_scenario
+from tests.tools.chaos_support import INVARIANTS, chaos_run, load
+from tests.tools.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -44,14 +43,7 @@ def short_crash() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    base = tmp_path_factory.mktemp("crash")
-    scenario = write_scenario(base / "crash.yaml", short_crash())
-    out = base / "results"
-    return out, chaos(scenario, "--out", out, "--quiet", timeout_s=600)
-
-
-def load(out: Path, name: str) -> Any:
-    return json.loads((out / name).read_text())
+    return chaos_run(tmp_path_factory, "crash", short_crash(), timeout_s=600)
 
 
 def checks_of(out: Path) -> dict[str, dict[str, Any]]:

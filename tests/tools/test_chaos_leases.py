@@ -8,15 +8,13 @@ must hold, and each block the dead processor held must be settled by its peer as
 from __future__ import annotations
 
 import copy
-import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.tools.chaos_support import INVARIANTS, TINY_CHAOS, chaos
-from tests.tools.conftest import write_scenario
+from tests.tools.chaos_support import INVARIANTS, TINY_CHAOS, chaos_run, load
 
 pytestmark = pytest.mark.slow
 
@@ -39,15 +37,7 @@ def leases_scenario() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    base = tmp_path_factory.mktemp("leases")
-    scenario = write_scenario(base / "leases.yaml", leases_scenario())
-    out = base / "results"
-    return out, chaos(scenario, "--out", out, "--quiet")
-
-
-def summary(out: Path) -> dict[str, Any]:
-    loaded: dict[str, Any] = json.loads((out / "summary.json").read_text())
-    return loaded
+    return chaos_run(tmp_path_factory, "leases", leases_scenario())
 
 
 def test_every_invariant_holds_with_admission_blocks_in_play(
@@ -55,10 +45,10 @@ def test_every_invariant_holds_with_admission_blocks_in_play(
 ) -> None:
     out, done = run
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    report = json.loads((out / "integrity.json").read_text())
+    report = load(out, "integrity.json")
     assert report["passed"] is True and report["failed"] == []
     assert [c["name"] for c in report["checks"]] == INVARIANTS
-    figures = summary(out)["run"]["processor_metrics"]
+    figures = load(out, "summary.json")["run"]["processor_metrics"]
     # Blocks were taken and requests admitted from them, not only the usual way.
     assert figures["admission_blocks"]["taken"] >= 1
     assert figures["local_admissions"] >= 1
@@ -69,7 +59,7 @@ def test_the_blocks_a_killed_processor_held_are_charged_by_its_peer(
     run: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
     out, _ = run
-    s = summary(out)
+    s = load(out, "summary.json")
     [kill] = [f for f in s["faults"] if f["fault"] == "processor_kill"]
     held = int(kill["note"].split("holding ", 1)[1].split()[0])
     assert held >= 1, kill

@@ -6,13 +6,12 @@ import json
 import re
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
-from tests.tools.chaos_support import INVARIANTS, TINY_CHAOS, chaos
-from tests.tools.conftest import PNG_SIGNATURE, write_scenario
+from tests.tools.chaos_support import INVARIANTS, TINY_CHAOS, chaos_run, load
+from tests.tools.conftest import PNG_SIGNATURE
 
 CLASSES = {
     "complete", "cut_clean", "error_status", "client_disconnect", "reset_by_fault",
@@ -27,14 +26,7 @@ RECORD_KEYS = {
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    base = tmp_path_factory.mktemp("chaos")
-    scenario = write_scenario(base / "tiny.yaml", TINY_CHAOS)
-    out = base / "results"
-    return out, chaos(scenario, "--out", out, "--quiet")
-
-
-def load(out: Path, name: str) -> Any:
-    return json.loads((out / name).read_text())
+    return chaos_run(tmp_path_factory, "tiny", TINY_CHAOS)
 
 
 def test_a_tiny_chaos_run_passes_every_invariant(
