@@ -10,16 +10,20 @@ the number of streams.
 
 The processor is pinned to core 0 and the clients to core 1 (``taskset``) so the client
 never takes the processor's core. Figures: messages/s on the wall clock, the processor's
-CPU use, and messages per processor CPU-second (what one core sustains, whatever else the
-machine is running); then from the billing processor's /metrics, Redis round trips per
+CPU use, messages per processor CPU-second (what one core sustains, whatever else the
+machine is running) and the processor's context switches per message (all its threads);
+then from the billing processor's /metrics, Redis round trips per
 request and the share of SSE events that had to wait for a lease batch from Redis.
 
     .venv/bin/python benchmarks/bench_processor_throughput.py [--quick] [--clients 2]
         [--streams 64] [--tokens 256] [--seconds 8] [--loops uvloop,asyncio]
+        [--grpc-threads batch,normal]
 
-``--loops``: the event loops to run both processors on (``extproc serve --loop``; default
-serve's). With more than one, every processor of every loop runs in each round, and the
-loops are compared processor by processor (msg per CPU-second, the rounds' median ratio).
+``--loops``: the event loops to run both processors on (``extproc serve --loop``);
+``--grpc-threads``: the scheduling of their gRPC threads (``extproc serve --grpc-threads``);
+default serve's. Every combination is a setup; with more than one, every processor of every
+setup runs in each round, and the setups are compared processor by processor (msg per
+CPU-second, the rounds' median ratio against the first setup).
 
 Targets: billing ≥ 0.90× the no-op's body messages per processor CPU-second (issue 10;
 no-op and billing phases alternate ``--rounds`` times, the ratio is the rounds' median);
@@ -40,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from extproc.app.loop import DEFAULT_LOOP, LOOPS
+from extproc.app.sched import DEFAULT_GRPC_THREADS, GRPC_THREADS
 from loadlab.figures import fmt, ratio, table, verdict
 from loadlab.gateway import wait_until
 from loadlab.grpc_load import (
@@ -78,85 +83,109 @@ def main() -> None:
         help=f"comma-separated event loops of both processors ({', '.join(LOOPS)}); "
         "several: compared side by side, round by round",
     )
+    parser.add_argument(
+        "--grpc-threads",
+        default=DEFAULT_GRPC_THREADS,
+        help=f"comma-separated scheduling of both processors' gRPC threads "
+        f"({', '.join(GRPC_THREADS)}); several: compared side by side, round by round",
+    )
     args = load_args(parser)
-    loops = [name.strip() for name in args.loops.split(",") if name.strip()]
-    if not loops or any(name not in LOOPS for name in loops):
-        parser.error(f"--loops: names among {', '.join(LOOPS)}")
+    loops = _names(parser, "--loops", args.loops, LOOPS)
+    policies = _names(parser, "--grpc-threads", args.grpc_threads, GRPC_THREADS)
+    several = len(loops) * len(policies) > 1
+    setups = {  # label: (loop, gRPC threads)
+        (f"{loop}, {policy} gRPC threads" if several else loop): (loop, policy)
+        for loop in loops
+        for policy in policies
+    }
     server_cpus, client_cpus = cores()
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
     with StopStack() as stops:
         redis = stops.push(RedisServer.start(workdir / "redis"))
         config = write_bench_config(workdir / "quota.yaml", redis.url, batch_tokens=BATCH)
-        targets = []  # (loop, processor name, port, pid)
+        targets = []  # (setup, processor name, port, pid)
         billings = {}
-        for loop in loops:
-            noop, noop_port = start_noop_processor(workdir, server_cpus, loop)
+        for label, (loop, policy) in setups.items():
+            noop, noop_port = start_noop_processor(workdir, server_cpus, loop, policy)
             stops.push(noop)
             billing = stops.push(
-                start_billing_processor(config, workdir, redis.url, server_cpus, loop)
+                start_billing_processor(config, workdir, redis.url, server_cpus, loop, policy)
             )
-            billings[loop] = billing
+            billings[label] = billing
             targets += [
-                (loop, "noop", noop_port, noop.pid),
-                (loop, "billing", billing.port, billing.process.pid),
+                (label, "noop", noop_port, noop.pid),
+                (label, "billing", billing.port, billing.process.pid),
             ]
         print(
             f"processor throughput: {args.clients} client processes × {args.streams} streams, "
             f"{args.tokens} token chunks per response, batch {BATCH}, processor on core "
-            f"{server_cpus}, clients on core {client_cpus}, loops {', '.join(loops)}; load "
+            f"{server_cpus}, clients on core {client_cpus}, setups {'; '.join(setups)}; load "
             f"average {os.getloadavg()[0]:.1f}; logs in {workdir}",
             flush=True,
         )
         # Alternating rounds: a change in the machine's other load hits both processors
-        # (and every loop) alike instead of whichever ran at that moment.
-        by_loop: dict[str, list[tuple[Phase, Phase]]] = {loop: [] for loop in loops}
+        # (and every setup) alike instead of whichever ran at that moment.
+        by_setup: dict[str, list[tuple[Phase, Phase]]] = {label: [] for label in setups}
         for r in range(args.rounds):
             done: dict[tuple[str, str], Phase] = {}
-            for loop, name, port, pid in targets:
-                phase = done[loop, name] = run_phase(name, port, pid, args, client_cpus)
-                label = f"{name} ({loop})" if len(loops) > 1 else name
-                print(f"  round {r + 1} {label}: {phase.per_s:,.0f} msg/s", flush=True)
-            for loop in loops:
-                by_loop[loop].append((done[loop, "noop"], done[loop, "billing"]))
+            for label, name, port, pid in targets:
+                phase = done[label, name] = run_phase(name, port, pid, args, client_cpus)
+                shown = f"{name} ({label})" if several else name
+                print(f"  round {r + 1} {shown}: {phase.per_s:,.0f} msg/s", flush=True)
+            for label in setups:
+                by_setup[label].append((done[label, "noop"], done[label, "billing"]))
         # Every stream ended: wait for the spawned settlements, then read the counters.
         metrics = {}
-        for loop, billing in billings.items():
+        for label, billing in billings.items():
             wait_until(lambda b=billing: all_settled(b.metrics()), timeout_s=15)
-            metrics[loop] = billing.metrics()
-    for loop in loops:
-        if len(loops) > 1:
-            print(f"\n=== loop {loop}")
-        report(by_loop[loop], metrics[loop], args.tokens)
-    if len(loops) > 1:
-        compare_loops(by_loop)
+            metrics[label] = billing.metrics()
+    for label in setups:
+        if several:
+            print(f"\n=== {label}")
+        report(by_setup[label], metrics[label], args.tokens)
+    if several:
+        compare_setups(by_setup)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
 
 
-def compare_loops(by_loop: dict[str, list[tuple[Phase, Phase]]]) -> None:
-    """Each processor's msg per CPU-second on every loop, against the first loop's."""
-    first, *others = by_loop
+def _names(
+    parser: argparse.ArgumentParser, flag: str, value: str, known: tuple[str, ...]
+) -> list[str]:
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if not names or any(name not in known for name in names):
+        parser.error(f"{flag}: names among {', '.join(known)}")
+    return names
+
+
+def compare_setups(by_setup: dict[str, list[tuple[Phase, Phase]]]) -> None:
+    """Each processor's msg per CPU-second in every setup, against the first setup's."""
+    first, *others = by_setup
     rows = []
     for index, name in enumerate(("noop", "billing")):
-        base = merged([pair[index] for pair in by_loop[first]])
-        rows.append([name, first, fmt(base.per_cpu_s, 0), "", ""])
-        for loop in others:
-            phases = [pair[index] for pair in by_loop[loop]]
+        base = merged([pair[index] for pair in by_setup[first]])
+        rows.append(
+            [name, first, fmt(base.per_cpu_s, 0), fmt(base.switches_per_message, 2), "", ""]
+        )
+        for setup in others:
+            phases = [pair[index] for pair in by_setup[setup]]
             per_round = [
                 ratio(p.per_cpu_s, q[index].per_cpu_s)
-                for p, q in zip(phases, by_loop[first], strict=True)
+                for p, q in zip(phases, by_setup[first], strict=True)
             ]
             rows.append(
                 [
                     name,
-                    loop,
+                    setup,
                     fmt(merged(phases).per_cpu_s, 0),
+                    fmt(merged(phases).switches_per_message, 2),
                     fmt(statistics.median(per_round), 2) + "×",
                     ", ".join(f"{x:.2f}" for x in per_round),
                 ]
             )
-    print(f"\nloops side by side (ratio: against {first}, per round and the median)")
-    print(table(["processor", "loop", "msg per CPU-s", "median ratio", "rounds"], rows))
+    print(f"\nsetups side by side (ratio: against {first}, per round and the median)")
+    header = ["processor", "setup", "msg per CPU-s", "switches/msg", "median ratio", "rounds"]
+    print(table(header, rows))
 
 
 def report(rounds: list[tuple[Phase, Phase]], metrics: dict[str, float], tokens: int) -> None:
@@ -175,6 +204,7 @@ def report(rounds: list[tuple[Phase, Phase]], metrics: dict[str, float], tokens:
             fmt(p.per_s, 0),
             fmt(100 * p.cpu_s / p.seconds, 0) + "%",
             fmt(p.per_cpu_s, 0),
+            fmt(p.switches_per_message, 2),
             fmt(p.client_cpu_s, 1),
             f"{p.requests:,}",
             str(p.errors),
@@ -190,6 +220,7 @@ def report(rounds: list[tuple[Phase, Phase]], metrics: dict[str, float], tokens:
             "",
             "",
             "",
+            "",
         ]
     )
     print()
@@ -200,6 +231,7 @@ def report(rounds: list[tuple[Phase, Phase]], metrics: dict[str, float], tokens:
                 "body msg/s",
                 "proc CPU",
                 "msg per CPU-s",
+                "switches/msg",
                 "client CPU-s",
                 "requests",
                 "errors",

@@ -75,6 +75,7 @@ class Processor:
         log_level: str = "warning",
         env: dict[str, str] | None = None,
         loop: str | None = None,
+        grpc_threads: str | None = None,
     ) -> Processor:
         """``prefix`` runs the processor under a launcher (e.g. ``taskset -c 0``).
 
@@ -98,6 +99,8 @@ class Processor:
             argv += ["--drain-delay-s", str(drain_delay_s)]
         if loop is not None:  # else serve's default
             argv += ["--loop", loop]
+        if grpc_threads is not None:
+            argv += ["--grpc-threads", grpc_threads]
         log_path = log_dir / f"extproc-{port}.log"
         for n in range(1, 100):
             if not log_path.exists():

@@ -25,7 +25,7 @@ from typing import Any
 
 from loadlab import wire
 from loadlab.figures import ratio
-from loadlab.machine import cpu_seconds, pin_self
+from loadlab.machine import context_switches, cpu_seconds, pin_self
 from loadlab.rig import BENCH_KEY
 
 BATCH = 32  # the lease batch the benchmarks' processors are configured with
@@ -143,10 +143,15 @@ class Phase:
     requests: int
     errors: int
     client_cpu_s: float  # all client processes, whole phase
+    switches: int = 0  # the processor's context switches, all threads, while measured
 
     @property
     def per_s(self) -> float:
         return self.messages / self.seconds
+
+    @property
+    def switches_per_message(self) -> float:
+        return ratio(self.switches, self.messages)
 
     @property
     def per_cpu_s(self) -> float:
@@ -172,9 +177,9 @@ def run_phase(
         c.start()
     try:
         time.sleep(args.warmup)  # spawn, connect, first admissions, tokenizer warm
-        m0, c0, t0 = sum(sent), cpu_seconds(pid), time.monotonic()
+        m0, c0, t0, s0 = sum(sent), cpu_seconds(pid), time.monotonic(), context_switches(pid)
         time.sleep(args.seconds)
-        m1, c1, t1 = sum(sent), cpu_seconds(pid), time.monotonic()
+        m1, c1, t1, s1 = sum(sent), cpu_seconds(pid), time.monotonic(), context_switches(pid)
     finally:
         stop.value = 1
     for c in clients:
@@ -190,6 +195,7 @@ def run_phase(
         sum(r for r, _, _ in outcomes),
         sum(e for _, e, _ in outcomes),
         sum(c for _, _, c in outcomes),
+        s1 - s0,
     )
 
 
@@ -203,4 +209,5 @@ def merged(phases: list[Phase]) -> Phase:
         sum(p.requests for p in phases),
         sum(p.errors for p in phases),
         sum(p.client_cpu_s for p in phases),
+        sum(p.switches for p in phases),
     )

@@ -27,6 +27,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def context_switches(pid: int) -> int:
+    """Context switches of a process so far, voluntary and not, summed over its live threads."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "status").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
+        for line in text.splitlines():
+            if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                total += int(line.split()[1])
+    return total
+
+
 def status_kib(pid: int, field: str = "VmRSS", default: int | None = None) -> int:
     """A memory figure of ``/proc/PID/status`` in KiB: VmRSS (resident now), VmHWM (peak).
     A process without it (a zombie) gives ``default``, or raises when there is none."""

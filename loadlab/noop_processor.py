@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.app.loop import DEFAULT_LOOP, LOOPS
 from extproc.app.loop import run as run_loop
+from extproc.app.sched import DEFAULT_GRPC_THREADS, GRPC_THREADS, threads_started_as
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
@@ -71,15 +72,16 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
                 await context.write(_FIXED[kind])
 
 
-async def serve(listen: str) -> None:
-    # Same server options as the billing processor's, so the comparison is like for like.
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_concurrent_streams", 10000),
-            ("grpc.max_receive_message_length", 16 << 20),
-            ("grpc.max_send_message_length", 16 << 20),
-        ]
-    )
+async def serve(listen: str, grpc_threads: str = DEFAULT_GRPC_THREADS) -> None:
+    # Same server options and thread scheduling as the billing processor's: like for like.
+    with threads_started_as(grpc_threads):
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_concurrent_streams", 10000),
+                ("grpc.max_receive_message_length", 16 << 20),
+                ("grpc.max_send_message_length", 16 << 20),
+            ]
+        )
     pb_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -102,8 +104,14 @@ def main() -> None:
     parser.add_argument(
         "--loop", choices=LOOPS, default=DEFAULT_LOOP, help="event loop, as extproc serve's"
     )
+    parser.add_argument(
+        "--grpc-threads",
+        choices=GRPC_THREADS,
+        default=DEFAULT_GRPC_THREADS,
+        help="scheduling of gRPC's threads, as extproc serve's",
+    )
     args = parser.parse_args()
-    run_loop(serve(args.listen), args.loop)
+    run_loop(serve(args.listen, args.grpc_threads), args.loop)
 
 
 if __name__ == "__main__":

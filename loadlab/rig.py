@@ -77,17 +77,26 @@ def start_billing_processor(
     redis_url: str,
     cpus: str | None = None,
     loop: str | None = None,
+    grpc_threads: str | None = None,
 ) -> Processor:
-    return Processor.start(config_path, log_dir, redis_url, prefix=pinned([], cpus), loop=loop)
+    prefix = pinned([], cpus)
+    return Processor.start(
+        config_path, log_dir, redis_url, prefix=prefix, loop=loop, grpc_threads=grpc_threads
+    )
 
 
 def start_noop_processor(
-    log_dir: Path, cpus: str | None = None, loop: str | None = None
+    log_dir: Path,
+    cpus: str | None = None,
+    loop: str | None = None,
+    grpc_threads: str | None = None,
 ) -> tuple[ManagedProcess, int]:
     port = free_port()
     argv = [sys.executable, "-m", "loadlab.noop_processor", "--listen", f"127.0.0.1:{port}"]
     if loop is not None:
         argv += ["--loop", loop]
+    if grpc_threads is not None:
+        argv += ["--grpc-threads", grpc_threads]
     process = ManagedProcess(pinned(argv, cpus), log_dir / f"noop-{port}.log", cwd=ROOT)
     try:
         process.wait_ready(lambda: grpc_serving(port), timeout_s=30)

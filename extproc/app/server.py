@@ -24,6 +24,7 @@ from prometheus_client.exposition import choose_encoder
 
 from extproc.app.reload import DEFAULT_POLL_S, ConfigReloader
 from extproc.app.runtime import Runtime, quota_backend
+from extproc.app.sched import DEFAULT_GRPC_THREADS, threads_started_as
 from extproc.app.workers import WorkerRole, beat_supervisor
 from extproc.config import Config
 from extproc.metrics import Metrics
@@ -61,11 +62,13 @@ async def serve(
     overrides: dict[str, Any] | None = None,
     config_poll_s: float = DEFAULT_POLL_S,
     role: WorkerRole | None = None,
+    grpc_threads: str = DEFAULT_GRPC_THREADS,
 ) -> None:
     """Serve until SIGTERM/SIGINT. With ``config_path`` (the file ``config`` was loaded from,
     with ``overrides``), SIGHUP and every change of its content seen by a poll each
     ``config_poll_s`` (0: no poll) reload it. ``role``: a worker of ``serve --workers N``
-    (its share of the fail-open allowance, its beats to the supervisor)."""
+    (its share of the fail-open allowance, its beats to the supervisor). ``grpc_threads``:
+    the scheduling policy of gRPC's own threads (``extproc.app.sched``)."""
     workers = role.count if role is not None else 1
     metrics = Metrics()
     backend = quota_backend(config, metrics, workers)
@@ -94,14 +97,16 @@ async def serve(
         reloader = ConfigReloader(runtime, config_path, overrides, config_poll_s)
         loop.add_signal_handler(signal.SIGHUP, reloader.request, "sighup")
         reloader.start()
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_concurrent_streams", 10000),
-            ("grpc.max_receive_message_length", 16 << 20),
-            ("grpc.max_send_message_length", 16 << 20),
-            ("grpc.so_reuseport", 1),  # --workers: N processes share the listen port
-        ]
-    )
+    # The first gRPC server of the process starts gRPC's threads (poller, event engine).
+    with threads_started_as(grpc_threads):
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_concurrent_streams", 10000),
+                ("grpc.max_receive_message_length", 16 << 20),
+                ("grpc.max_send_message_length", 16 << 20),
+                ("grpc.so_reuseport", 1),  # --workers: N processes share the listen port
+            ]
+        )
     service = ExternalProcessorService(runtime.session, runtime.metrics, runtime.spawn)
     pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()

@@ -35,6 +35,7 @@ from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
 from stack.envoy import EnvoyPorts, render_bootstrap
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
+from tests.support.threads import grpc_thread_policies
 
 WORKERS = 2
 TENANTS = {
@@ -186,6 +187,17 @@ def test_one_envoy_endpoint_spreads_streams_over_both_workers(stack: Stack) -> N
     took = [after - b for after, b in zip(stack.admitted(), before, strict=True)]
     assert sum(took) == 20
     assert min(took) > 0, took
+
+
+def test_every_worker_runs_grpc_threads_as_batch_and_its_loop_thread_as_ordinary(
+    stack: Stack,
+) -> None:
+    """The supervisor's ``--grpc-threads`` (default batch) reaches each worker it starts."""
+    pids = stack.workers.pids()
+    assert len(pids) == WORKERS
+    for pid in pids.values():
+        assert grpc_thread_policies(pid) == {os.SCHED_BATCH}
+        assert os.sched_getscheduler(pid) == os.SCHED_OTHER  # the event loop's thread
 
 
 def test_workers_charge_one_redis_counter_so_a_limit_is_not_multiplied(
