@@ -115,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         "--grpc-threads",
         choices=GRPC_THREADS,
         default=DEFAULT_GRPC_THREADS,
-        help="scheduling of gRPC's own threads: batch (default; Linux SCHED_BATCH, they "
-        "don't preempt the event loop on waking: fewer context switches and CPU-seconds "
-        "per message) or normal; --workers N use the same",
+        help="scheduling of gRPC's own threads: batch (Linux SCHED_BATCH: they don't "
+        "preempt the event loop on waking, fewer context switches and CPU-seconds per "
+        "message where they share its CPU), normal, or auto (default: batch when the "
+        "process may run on one CPU only, else normal); --workers N use the same",
     )
     serve.add_argument(
         "--config-poll-s",

@@ -1,15 +1,18 @@
-"""How gRPC's own threads are scheduled: as ``SCHED_BATCH`` by default (Linux).
+"""How gRPC's own threads are scheduled: ``SCHED_BATCH`` where they share one CPU (Linux).
 
 grpc.aio hands each completion to the event loop from a poller thread of its own, and its
-event-engine threads do the sockets' I/O. As ordinary (``SCHED_OTHER``) threads, each of
-their wake-ups preempts the loop in the middle of a message, on the core they share with it:
+event-engine threads do the sockets' I/O. As ordinary (``SCHED_OTHER``) threads on the one
+CPU the loop runs on, each of their wake-ups preempts the loop in the middle of a message:
 measured 5-9 context switches per body message. As ``SCHED_BATCH`` threads they do not
 preempt on waking, so the loop finishes what it is doing and then takes every completion
-that is ready in one turn: ~0.5 context switches per message and about 1.4x the body
-messages per CPU-second (docs/results.md). Their priority is unchanged (the same nice value:
-``SCHED_BATCH`` only gives up wake-up preemption), and the loop's own thread stays ordinary,
-so a message arriving still preempts other work on its core. ``--grpc-threads normal``
-keeps the ordinary policy.
+that is ready in one turn: ~0.5 context switches per message and 1.2-1.5x the body messages
+per CPU-second (docs/results.md). Their priority is unchanged (the same nice value:
+``SCHED_BATCH`` only gives up wake-up preemption), and the loop's own thread stays ordinary.
+
+With more than one CPU a waking gRPC thread usually finds another core idle, and there
+``SCHED_BATCH`` only makes it wait behind whatever runs: TTFT at 10 streams was worse in 8
+of 9 measured pairs. So ``auto`` (the default) takes ``batch`` when the process may run on
+one CPU only (a pinned sidecar, a one-CPU cpuset) and ``normal`` otherwise.
 """
 
 from __future__ import annotations
@@ -21,10 +24,20 @@ from typing import Final
 
 import structlog
 
-GRPC_THREADS: Final = ("batch", "normal")
-DEFAULT_GRPC_THREADS: Final = "batch"
+GRPC_THREADS: Final = ("auto", "batch", "normal")
+DEFAULT_GRPC_THREADS: Final = "auto"
 
 log = structlog.get_logger("extproc.sched")
+
+
+def resolved(policy: str) -> str:
+    """``batch`` or ``normal``: what ``policy`` (one of ``GRPC_THREADS``) means here."""
+    if policy not in GRPC_THREADS:
+        raise ValueError(f"unknown thread policy {policy!r} (one of {', '.join(GRPC_THREADS)})")
+    if policy != "auto":
+        return policy
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    return "batch" if len(cpus) == 1 else "normal"
 
 
 @contextmanager
@@ -33,9 +46,7 @@ def threads_started_as(policy: str) -> Iterator[None]:
     calling thread keeps its own. A thread inherits its creator's policy: the calling thread
     takes ``policy`` for the block's length. Threads those threads start inherit it too (the
     event engine grows its pool from its own threads)."""
-    if policy not in GRPC_THREADS:
-        raise ValueError(f"unknown thread policy {policy!r} (one of {', '.join(GRPC_THREADS)})")
-    if policy == "normal" or not hasattr(os, "SCHED_BATCH"):
+    if resolved(policy) == "normal" or not hasattr(os, "SCHED_BATCH"):
         yield
         return
     try:

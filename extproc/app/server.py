@@ -24,7 +24,7 @@ from prometheus_client.exposition import choose_encoder
 
 from extproc.app.reload import DEFAULT_POLL_S, ConfigReloader
 from extproc.app.runtime import Runtime, quota_backend
-from extproc.app.sched import DEFAULT_GRPC_THREADS, threads_started_as
+from extproc.app.sched import DEFAULT_GRPC_THREADS, resolved, threads_started_as
 from extproc.app.workers import WorkerRole, beat_supervisor
 from extproc.config import Config
 from extproc.metrics import Metrics
@@ -146,6 +146,7 @@ async def serve(
         config_hash=runtime.config.hash,
         backend=config.normalised["redis_url"],
         metrics=metrics_listen,
+        grpc_threads=resolved(grpc_threads),
     )
 
     stop = asyncio.Event()

@@ -15,7 +15,7 @@ import openai
 import pytest
 import redis
 
-from extproc.app.sched import threads_started_as
+from extproc.app.sched import resolved, threads_started_as
 from loadlab.gateway import Envoy, Processor
 from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
@@ -50,8 +50,24 @@ def stream_through(tmp_path: Path, processor: Processor, sim: Simulator) -> int:
         envoy.stop()
 
 
+ONE_CPU = min(os.sched_getaffinity(0))  # pinned: the processor may run on this CPU only
+SEVERAL_CPUS = len(os.sched_getaffinity(0)) > 1
+
+
 @pytest.mark.parametrize(
-    ("flag", "grpc_policy"), [(None, os.SCHED_BATCH), ("normal", os.SCHED_OTHER)]
+    ("flag", "pinned", "grpc_policy"),
+    [
+        (None, True, os.SCHED_BATCH),
+        pytest.param(
+            None,
+            False,
+            os.SCHED_OTHER,
+            marks=pytest.mark.skipif(not SEVERAL_CPUS, reason="one CPU: auto takes batch"),
+        ),
+        ("batch", False, os.SCHED_BATCH),
+        ("normal", True, os.SCHED_OTHER),
+    ],
+    ids=["auto-one-cpu", "auto-several-cpus", "batch", "normal-one-cpu"],
 )
 def test_grpc_threads_run_as_asked_and_the_event_loop_thread_stays_ordinary(
     tmp_path: Path,
@@ -59,22 +75,31 @@ def test_grpc_threads_run_as_asked_and_the_event_loop_thread_stays_ordinary(
     redis_client: redis.Redis,
     simulators: list[Simulator],
     flag: str | None,
+    pinned: bool,
     grpc_policy: int,
 ) -> None:
-    """By default every gRPC thread (poller, timer, event engine) is SCHED_BATCH and the
-    loop's thread SCHED_OTHER; ``--grpc-threads normal`` leaves every thread ordinary. The
-    streams are metered either way."""
+    """By default (``auto``) every gRPC thread (poller, timer, event engine) is SCHED_BATCH
+    when the processor may run on one CPU only, ordinary when it may run on several;
+    ``batch`` and ``normal`` hold wherever it runs. The loop's thread is SCHED_OTHER in every
+    case, and the streams are metered either way."""
     config = write_processor_config(
         tmp_path / "quota.yaml", {f"{TENANT}": TENANTS[TENANT]}, redis_url=redis_server.url
     )
     for key in redis_client.scan_iter(match=f"*{TENANT}*"):
         redis_client.delete(key)
-    processor = Processor.start(config, tmp_path, grpc_threads=flag)
+    prefix = ["taskset", "-c", str(ONE_CPU)] if pinned else []
+    processor = Processor.start(
+        config, tmp_path, prefix=prefix, grpc_threads=flag, log_level="info"
+    )
     try:
         chunks = stream_through(tmp_path, processor, simulators[0])
         policies = thread_policies(processor.process.pid)
+        serving = [r for r in processor.log_records() if r.get("event") == "serving"]
     finally:
         processor.stop()
+    assert [r["grpc_threads"] for r in serving] == [
+        "batch" if grpc_policy == os.SCHED_BATCH else "normal"
+    ]
     assert chunks >= STREAMS * 2  # every answer streamed (role chunk, content, finish)
     assert counter_value(redis_client, TENANT, "rpm", None) == STREAMS
     main_name, main_policy = policies.pop(processor.process.pid)
@@ -92,7 +117,7 @@ def test_a_thread_started_inside_the_block_takes_the_policy_and_its_starter_keep
         seen[name] = os.sched_getscheduler(0)
 
     before = os.sched_getscheduler(0)
-    for policy in ("batch", "normal"):
+    for policy in ("batch", "normal", "auto"):
         with threads_started_as(policy):
             started = threading.Thread(target=note, args=(policy,))
             started.start()
@@ -101,6 +126,18 @@ def test_a_thread_started_inside_the_block_takes_the_policy_and_its_starter_keep
     after = threading.Thread(target=note, args=("after",))
     after.start()
     after.join()
-    assert seen == {"batch": os.SCHED_BATCH, "normal": before, "after": before}
+    auto = os.SCHED_BATCH if len(os.sched_getaffinity(0)) == 1 else before
+    assert seen == {"batch": os.SCHED_BATCH, "normal": before, "auto": auto, "after": before}
     with pytest.raises(ValueError, match="unknown thread policy"), threads_started_as("fifo"):
         pass
+
+
+def test_auto_takes_batch_only_where_the_process_may_run_on_one_cpu() -> None:
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        assert resolved("auto") == "batch"
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert resolved("auto") == ("normal" if len(allowed) > 1 else "batch")
+    assert (resolved("batch"), resolved("normal")) == ("batch", "normal")

@@ -155,7 +155,7 @@ def stack(
 ) -> Iterator[Stack]:
     log_dir = tmp_path_factory.mktemp("workers")
     config = write_processor_config(log_dir / "quota.yaml", TENANTS, redis_url=redis_server.url)
-    workers = start_workers(config, log_dir)
+    workers = start_workers(config, log_dir, "--grpc-threads", "batch")
     try:
         envoy = start_envoy_one_endpoint(log_dir, workers.port, [s.port for s in simulators])
     except BaseException:
@@ -192,7 +192,8 @@ def test_one_envoy_endpoint_spreads_streams_over_both_workers(stack: Stack) -> N
 def test_every_worker_runs_grpc_threads_as_batch_and_its_loop_thread_as_ordinary(
     stack: Stack,
 ) -> None:
-    """The supervisor's ``--grpc-threads`` (default batch) reaches each worker it starts."""
+    """The supervisor's ``--grpc-threads`` (``batch`` here, not the default on several CPUs)
+    reaches each worker it starts."""
     pids = stack.workers.pids()
     assert len(pids) == WORKERS
     for pid in pids.values():
