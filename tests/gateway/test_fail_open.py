@@ -188,6 +188,7 @@ def test_redis_killed_under_load_leaves_fail_open_plans_serving_and_reconciled(
 
             assert wait_until(reconciled, timeout_s=30)
             final = processor.metrics()
+            assert final["extproc_quota_queue_dropped_total"] == 0  # no queued charge given up
             open_redis = len(results["open"]) - len(local) - len(open_refused)
             print(
                 f"outage under load: closed {len(closed_ok)}x200 (Redis) "

@@ -22,8 +22,11 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from extproc.app.loop import LOOPS
+from extproc.app.loop import run as run_loop
 from extproc.quota.redis.resp import RespConnection, Script, _error, pack
 from loadlab.redis_server import RedisServer
+from tests.quota.test_resilient import TcpProxy
 
 ECHO = Script("return {KEYS[1], ARGV[1]}")
 
@@ -185,3 +188,46 @@ async def test_asking_is_pipelined_before_the_command(redis_server: RedisServer)
         assert await conn.execute("ECHO", "next") == "next"
     finally:
         await conn.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_connection_hung_up_on_before_its_first_command_fails_as_lost_and_is_retried(
+    tmp_path: Path, loop: str
+) -> None:
+    """A proxy in front of a dead Redis accepts, then hangs up: the connection can be lost
+    between being opened and its first command. That command must fail as a lost
+    connection (a ``ConnectionError``, which the quota layer retries or queues) on either
+    loop: not a ``RuntimeError`` from uvloop's closed transport (a queued settlement would be
+    given up), not a wait forever (asyncio drops the write). Once Redis is back, the same
+    connection serves."""
+    server = RedisServer.start(tmp_path / "redis")
+    port = server.port
+    server.stop()
+    with TcpProxy(port) as proxy:
+
+        async def scenario() -> tuple[dict[str, int], object]:
+            conn = RespConnection(host="127.0.0.1", port=proxy.port, retries=2)
+            outcomes: dict[str, int] = {}
+            try:
+                for _ in range(50):
+                    try:
+                        async with asyncio.timeout(10):  # a hang shows as TimeoutError
+                            await conn.execute("PING")
+                        outcomes["answered"] = outcomes.get("answered", 0) + 1
+                    except Exception as exc:
+                        kind = type(exc).__name__
+                        outcomes[kind] = outcomes.get(kind, 0) + 1
+                        if kind != "ConnectionError":
+                            break
+                revived = RedisServer.start(tmp_path / "revived", port=port)
+                try:
+                    return outcomes, await conn.execute("PING")
+                finally:
+                    revived.stop()
+            finally:
+                await conn.close()
+
+        outcomes, after = run_loop(scenario(), loop)
+    assert outcomes == {"ConnectionError": 50}
+    assert after == "PONG"
+    assert proxy.accepted >= 50 * 3  # each command: the first try and its two retries

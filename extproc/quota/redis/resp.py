@@ -147,13 +147,21 @@ class _Protocol(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def send(self, payload: bytes, future: asyncio.Future[Any]) -> None:
-        assert self.transport is not None
+        """Write one packed command; ``future`` gets its reply. Raises ``ConnectionError``
+        (nothing sent) on a connection already lost or closing: it can be lost between
+        being opened and the first command (a server or proxy that accepts, then hangs up),
+        and a write then raises (uvloop) or goes nowhere and is never answered (asyncio)."""
+        transport = self.transport
+        assert transport is not None
+        if self.lost or transport.is_closing():
+            self.lost = True
+            raise RedisConnectionError("Redis connection lost before the command was sent")
         now = time.monotonic()
         if not self.pending:
             self.last_heard = now  # the silence that matters starts with this call
         self.pending.append(future)
         self.sent_at.append(now)
-        self.transport.write(payload)
+        transport.write(payload)
         if self._timer is None and self.socket_timeout_s is not None:
             self._arm(now)
 
