@@ -57,6 +57,9 @@ def grpc_serving(port: int) -> bool:
         return False
 
 
+PORT_ATTEMPTS = 3  # a picked port taken by another process before the processor binds it
+
+
 @dataclass
 class Processor:
     process: ManagedProcess
@@ -84,6 +87,42 @@ class Processor:
         test's processor doesn't wait for health checkers. ``log_level="info"`` logs the
         final ``stopped`` record (see ``stopped_record``).
         """
+        # A free port is free when picked, not when the processor binds it: another
+        # process can take it meanwhile. Ports picked here are picked again then.
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                return cls._start_once(
+                    config_path,
+                    log_dir,
+                    redis_url,
+                    prefix,
+                    port,
+                    drain_delay_s,
+                    log_level,
+                    env,
+                    loop,
+                    grpc_threads,
+                )
+            except RuntimeError as exc:
+                taken = "address already in use" in str(exc).lower()
+                if port is not None or not taken or attempt == PORT_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _start_once(
+        cls,
+        config_path: Path,
+        log_dir: Path,
+        redis_url: str | None,
+        prefix: Sequence[str],
+        port: int | None,
+        drain_delay_s: float | None,
+        log_level: str,
+        env: dict[str, str] | None,
+        loop: str | None,
+        grpc_threads: str | None,
+    ) -> Processor:
         port, metrics_port = port or free_port(), free_port()
         argv = [
             *prefix,
