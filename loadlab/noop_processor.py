@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.app.loop import DEFAULT_LOOP, LOOPS
 from extproc.app.loop import run as run_loop
-from extproc.app.sched import DEFAULT_GRPC_THREADS, GRPC_THREADS, threads_started_as
+from extproc.app.sched import DEFAULT_GRPC_THREADS, GRPC_THREADS, grpc_server
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
@@ -74,14 +74,7 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
 
 async def serve(listen: str, grpc_threads: str = DEFAULT_GRPC_THREADS) -> None:
     # Same server options and thread scheduling as the billing processor's: like for like.
-    with threads_started_as(grpc_threads):
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_concurrent_streams", 10000),
-                ("grpc.max_receive_message_length", 16 << 20),
-                ("grpc.max_send_message_length", 16 << 20),
-            ]
-        )
+    server = grpc_server(grpc_threads)
     pb_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

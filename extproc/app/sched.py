@@ -22,10 +22,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final
 
+import grpc
 import structlog
 
 GRPC_THREADS: Final = ("auto", "batch", "normal")
 DEFAULT_GRPC_THREADS: Final = "auto"
+# Shared by the billing and the no-op processor, so benchmarks compare like for like.
+GRPC_SERVER_OPTIONS: Final = (
+    ("grpc.max_concurrent_streams", 10000),
+    ("grpc.max_receive_message_length", 16 << 20),
+    ("grpc.max_send_message_length", 16 << 20),
+)
 
 log = structlog.get_logger("extproc.sched")
 
@@ -61,3 +68,11 @@ def threads_started_as(policy: str) -> Iterator[None]:
         yield
     finally:
         os.sched_setscheduler(0, own, own_param)
+
+
+def grpc_server(policy: str, *options: tuple[str, int]) -> grpc.aio.Server:
+    """A grpc.aio server with ``GRPC_SERVER_OPTIONS`` and ``options``, its threads under
+    ``policy``. The first server of a process starts gRPC's threads (poller, event engine),
+    so make it here."""
+    with threads_started_as(policy):
+        return grpc.aio.server(options=[*GRPC_SERVER_OPTIONS, *options])

@@ -24,7 +24,7 @@ from prometheus_client.exposition import choose_encoder
 
 from extproc.app.reload import DEFAULT_POLL_S, ConfigReloader
 from extproc.app.runtime import Runtime, quota_backend
-from extproc.app.sched import DEFAULT_GRPC_THREADS, resolved, threads_started_as
+from extproc.app.sched import DEFAULT_GRPC_THREADS, grpc_server, resolved
 from extproc.app.workers import WorkerRole, beat_supervisor
 from extproc.config import Config
 from extproc.metrics import Metrics
@@ -97,16 +97,8 @@ async def serve(
         reloader = ConfigReloader(runtime, config_path, overrides, config_poll_s)
         loop.add_signal_handler(signal.SIGHUP, reloader.request, "sighup")
         reloader.start()
-    # The first gRPC server of the process starts gRPC's threads (poller, event engine).
-    with threads_started_as(grpc_threads):
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_concurrent_streams", 10000),
-                ("grpc.max_receive_message_length", 16 << 20),
-                ("grpc.max_send_message_length", 16 << 20),
-                ("grpc.so_reuseport", 1),  # --workers: N processes share the listen port
-            ]
-        )
+    # --workers: N processes share the listen port.
+    server = grpc_server(grpc_threads, ("grpc.so_reuseport", 1))
     service = ExternalProcessorService(runtime.session, runtime.metrics, runtime.spawn)
     pb_grpc.add_ExternalProcessorServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
