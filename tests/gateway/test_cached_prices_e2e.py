@@ -19,7 +19,7 @@ from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
 from loadlab.sse_client import stream_http1
 from tests.gateway.conftest import FAST_PROFILE, tenant_key, write_processor_config
-from tests.support.quota_views import counter_total, ledger, ledger_net
+from tests.support.quota_views import ledger, ledger_net, live_books
 
 BLOCK = 16
 PRICES = {"input": "2.50", "output": "10.00", "cached_input": "0.625"}  # per 1M tokens
@@ -82,4 +82,5 @@ def test_a_repeated_prompt_is_billed_its_cached_tokens_at_the_cached_price(
         ledger_net([second], "cost")
         == (prompt_tokens - cached) * IN + cached * CACHED + output * OUT
     )
-    assert counter_total(redis_client, TENANT, "cost") == ledger_net([first, second], "cost")
+    counters, listed = live_books(redis_client, TENANT, "cost")
+    assert counters == listed and counters

@@ -43,7 +43,7 @@ from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import WINDOW_S, tenant_key, write_processor_config
 from tests.support.client_view import as_metered
 from tests.support.client_view import delivered as client_delivered
-from tests.support.quota_views import counter_total, ledger, ledger_net
+from tests.support.quota_views import counter_total, ledger, ledger_net, live_books
 from tests.support.simulator import ModeSimulator, max_event_tokens, simulator_fixture
 
 pytestmark = pytest.mark.slow
@@ -236,8 +236,9 @@ def assert_billed_by_the_policy(f: Figures, sim: ModeSimulator) -> None:
 def assert_ledger_is_counters(client: redis.Redis, tenant: str, requests: int) -> None:
     entries = ledger(client, tenant)
     assert len(entries) == requests
-    assert ledger_net(entries, "tpm") == counter_total(client, tenant, "tpm")
-    assert sum(int(e["used"]) for e in entries) == counter_total(client, tenant, "tpm")
+    counters, listed = live_books(client, tenant, "tpm")
+    assert counters == listed and counters
+    assert sum(int(e["used"]) for e in entries) == ledger_net(entries, "tpm")
 
 
 def report(figures: list[Figures], title: str) -> None:

@@ -34,6 +34,7 @@ from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import FAST_PROFILE, WINDOW_S, tenant_key, write_processor_config
 from tests.gateway.test_cluster_gateway import master_client, one_tenant_per_master
 from tests.gateway.test_workers import start_envoy_one_endpoint, start_workers
+from tests.support.quota_views import Window, live_books
 from tests.support.raw_upstream import RawUpstream
 from tests.support.scripted_upstream import chat_stream
 
@@ -89,26 +90,15 @@ class Books:
         stream = keys.usage_stream_key(keys.reservation_key(self.tenant, "x", self.prefix))
         return [fields for _, fields in self.client.xrange(stream)]
 
-    def _head(self) -> str:
-        return keys.counter_key(self.tenant, "tpm", MODEL, WINDOW_S, self.prefix)
-
-    def counters(self) -> dict[str, int]:
-        found = self.client.scan_iter(match=self._head() + ":*")
-        return {k: int(self.client.get(k) or 0) for k in found}
-
-    def ledger_by_window(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for entry in self.ledger():
-            for part in filter(None, entry.get("windows", "").split(";")):
-                kind, _, start, net = part.split(":")
-                if kind == "tpm":
-                    out[f"{self._head()}:{start}"] += int(net)
-        return dict(out)
+    def windows(self) -> tuple[dict[Window, int], dict[Window, int]]:
+        """(counters, ledger) by tpm window, the windows that live through the read."""
+        return live_books(self.client, self.tenant, "tpm", self.prefix)
 
     def balance(self) -> None:
         """counters == ledger, one ledger entry per admitted request, none open."""
         assert self.open_records() == []
-        assert self.counters() == self.ledger_by_window()
+        counters, ledger_windows = self.windows()
+        assert counters == ledger_windows and counters
         per_request: dict[str, int] = defaultdict(int)
         for entry in self.ledger():
             per_request[entry["request_id"]] += 1
@@ -183,7 +173,7 @@ def test_a_sigkilled_workers_records_are_all_settled_and_the_books_balance(
             time.sleep(0.1)
         settled_after = time.monotonic() - float(state["killed_at"])  # type: ignore[arg-type]
         left = books.open_records()
-        counters, ledger_windows = books.counters(), books.ledger_by_window()
+        counters, ledger_windows = books.windows()
         gap = sum(counters.values()) - sum(ledger_windows.values())
         ledger = books.ledger()
         per_request: dict[str, int] = defaultdict(int)
@@ -198,7 +188,7 @@ def test_a_sigkilled_workers_records_are_all_settled_and_the_books_balance(
             f"{len(ledger)} ledger entries; {len(cut)} client streams cut"
         )
         assert left == []
-        assert counters == ledger_windows
+        assert counters == ledger_windows and counters
         assert set(per_request) == admitted_ids
         assert all(n == 1 for n in per_request.values()), per_request
         orphaned = [e for e in ledger if e["reason"] == "orphaned"]
@@ -275,7 +265,8 @@ def test_a_settlement_queued_while_redis_was_away_is_settled_by_a_peer_after_a_k
         [fields] = books.admitted.values()
         assert entry["reason"] == "orphaned"
         assert entry["used"] == entry["reserved"] == fields["res"] and entry["refunded"] == "0"
-        assert books.counters() == books.ledger_by_window()
+        counters, ledger_windows = books.windows()
+        assert counters == ledger_windows and counters
         assert peer.metrics()["extproc_orphan_settlements_total"] == 1
     finally:
         for part in reversed(started):

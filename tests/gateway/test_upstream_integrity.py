@@ -29,7 +29,7 @@ from loadlab.redis_server import RedisServer
 from loadlab.sse_client import StreamResult, dechunk, stream_http1
 from tests.gateway.conftest import WINDOW_S, tenant_key, write_processor_config
 from tests.support.client_view import O200K, delivered
-from tests.support.quota_views import counter_total, ledger, ledger_net
+from tests.support.quota_views import counter_total, ledger, live_books
 from tests.support.scripted_upstream import Reply, ScriptedUpstream, usage
 
 MODELS = {
@@ -135,7 +135,8 @@ def settled_entry(client: redis.Redis, tenant: str) -> dict[str, str]:
     )
     entries = ledger(client, tenant)
     assert len(entries) == 1, entries
-    assert ledger_net(entries, "tpm") == counter_total(client, tenant, "tpm")
+    counters, listed = live_books(client, tenant, "tpm")
+    assert counters == listed and counters
     return entries[0]
 
 

@@ -13,7 +13,7 @@ from typing import cast
 
 import redis
 
-from extproc.quota import windows
+from extproc.quota import keys, windows
 from extproc.quota.base import Counter, Period
 from extproc.quota.calendar import compute_calendar_bounds
 from extproc.quota.memory.backend import MemoryQuotaBackend
@@ -44,6 +44,49 @@ def ledger_net(entries: list[dict[str, str]], kind: str) -> int:
             if part.split(":", 1)[0] == kind:
                 total += int(part.rsplit(":", 1)[1])
     return total
+
+
+Window = tuple[int, int]  # (window_s, start) of a fixed window
+
+
+def live_books(
+    client: redis.Redis, tenant: str, kind: str, prefix: str = keys.DEFAULT_PREFIX
+) -> tuple[dict[Window, int], dict[Window, int]]:
+    """(counters, ledger) of a tenant's fixed windows of ``kind``: (window_s, start) -> what
+    the counters hold and what the ledger's entries say those windows keep, over the
+    windows whose counter keys live through the whole read.
+
+    A window's counter key expires ``EXPIRY_MARGIN_S`` after the window ends; its ledger
+    entries stay. A test that runs across a window boundary would otherwise find the ended
+    window in the ledger but not in the counters. Windows ending by Redis's clock read after
+    both are left out of both sides; every other window is compared whole.
+    """
+    head = f"{_glob_escape(keys.tenant_tag(tenant, prefix))}:c:{kind}:*"
+    counted: dict[Window, int] = {}
+    for key in client.scan_iter(match=head, count=1000):
+        *_, span, start = key.split(":")
+        if span.isdigit() and start.isdigit():
+            window = (int(span), int(start))
+            counted[window] = counted.get(window, 0) + int(client.get(key) or 0)
+    listed: dict[Window, int] = {}
+    stream = keys.usage_stream_key(keys.reservation_key(tenant, "x", prefix))
+    for _, fields in client.xrange(stream):
+        for part in filter(None, fields.get("windows", "").split(";")):
+            part_kind, span, start, net = part.split(":")
+            if part_kind == kind:
+                window = (int(span), int(start))
+                listed[window] = listed.get(window, 0) + int(net)
+    seconds, micros = cast(tuple[int, int], client.time())
+    now = seconds + micros / 1e6
+
+    def live(window: Window) -> bool:
+        span, start = window
+        return start + span + windows.EXPIRY_MARGIN_S > now
+
+    return (
+        {w: v for w, v in counted.items() if live(w) and v},
+        {w: v for w, v in listed.items() if live(w) and v},
+    )
 
 
 # --- one view of both backends: what a differential test compares ----------------------
