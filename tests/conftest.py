@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from loadlab.redis_server import RedisServer
+from tests.support.boundary import pytest_runtest_protocol  # noqa: F401 (a hook)
 
 
 @pytest.fixture(scope="session")
