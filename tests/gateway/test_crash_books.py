@@ -35,6 +35,7 @@ from tests.gateway.conftest import FAST_PROFILE, WINDOW_S, tenant_key, write_pro
 from tests.gateway.test_cluster_gateway import master_client, one_tenant_per_master
 from tests.gateway.test_workers import start_envoy_one_endpoint, start_workers
 from tests.support.quota_views import Window, live_books
+from tests.support.quota_views import ledger as ledger_of
 from tests.support.raw_upstream import RawUpstream
 from tests.support.scripted_upstream import chat_stream
 
@@ -87,8 +88,7 @@ class Books:
         return [k for k, f in self.admitted.items() if "st" not in f]
 
     def ledger(self) -> list[dict[str, str]]:
-        stream = keys.usage_stream_key(keys.reservation_key(self.tenant, "x", self.prefix))
-        return [fields for _, fields in self.client.xrange(stream)]
+        return ledger_of(self.client, self.tenant, self.prefix)
 
     def windows(self) -> tuple[dict[Window, int], dict[Window, int]]:
         """(counters, ledger) by tpm window, the windows that live through the read."""

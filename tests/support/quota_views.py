@@ -8,6 +8,7 @@ so a test can compare the two backends' state.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -31,19 +32,34 @@ def counter_total(client: redis.Redis, tenant: str, kind: str) -> int:
     return total
 
 
-def ledger(client: redis.Redis, tenant: str) -> list[dict[str, str]]:
+def server_now(client: redis.Redis) -> float:
+    """Redis's clock (``TIME``), in seconds."""
+    seconds, micros = cast(tuple[int, int], client.time())
+    return seconds + micros / 1e6
+
+
+def ledger(
+    client: redis.Redis, tenant: str, prefix: str = keys.DEFAULT_PREFIX
+) -> list[dict[str, str]]:
     """The tenant's usage ledger entries, oldest first."""
-    return [fields for _, fields in client.xrange(f"tq:{{{tenant}}}:usage")]
+    stream = keys.usage_stream_key(keys.reservation_key(tenant, "x", prefix))
+    return [fields for _, fields in client.xrange(stream)]
+
+
+def _window_nets(entries: list[dict[str, str]], kind: str) -> Iterator[tuple[str, str, int]]:
+    """(span, start, net) of each window of ``kind`` the entries list."""
+    for fields in entries:
+        for part in filter(None, fields["windows"].split(";")):
+            part_kind, rest = part.split(":", 1)
+            if part_kind == kind:
+                where, net = rest.rsplit(":", 1)
+                span, _, start = where.rpartition(":")
+                yield span, start, int(net)
 
 
 def ledger_net(entries: list[dict[str, str]], kind: str) -> int:
     """What the ledger says the tenant's ``kind`` counters keep, summed over its windows."""
-    total = 0
-    for fields in entries:
-        for part in filter(None, fields["windows"].split(";")):
-            if part.split(":", 1)[0] == kind:
-                total += int(part.rsplit(":", 1)[1])
-    return total
+    return sum(net for _, _, net in _window_nets(entries, kind))
 
 
 Window = tuple[int, int]  # (window_s, start) of a fixed window
@@ -69,15 +85,10 @@ def live_books(
             window = (int(span), int(start))
             counted[window] = counted.get(window, 0) + int(client.get(key) or 0)
     listed: dict[Window, int] = {}
-    stream = keys.usage_stream_key(keys.reservation_key(tenant, "x", prefix))
-    for _, fields in client.xrange(stream):
-        for part in filter(None, fields.get("windows", "").split(";")):
-            part_kind, span, start, net = part.split(":")
-            if part_kind == kind:
-                window = (int(span), int(start))
-                listed[window] = listed.get(window, 0) + int(net)
-    seconds, micros = cast(tuple[int, int], client.time())
-    now = seconds + micros / 1e6
+    for span, start, net in _window_nets(ledger(client, tenant, prefix), kind):
+        window = (int(span), int(start))
+        listed[window] = listed.get(window, 0) + net
+    now = server_now(client)
 
     def live(window: Window) -> bool:
         span, start = window

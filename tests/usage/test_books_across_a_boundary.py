@@ -18,15 +18,10 @@ from extproc.quota.keys import counter_key, reservation_key
 from extproc.quota.redis.backend import RedisQuotaBackend
 from loadlab.gateway import wait_until
 from loadlab.redis_server import RedisServer
-from tests.support.quota_views import ledger_net, live_books
+from tests.support.quota_views import ledger, ledger_net, live_books, server_now
 
 TENANT = "boundary"
 WINDOW_S = 1  # the shortest fixed window: a boundary within a second
-
-
-def _server_s(client: redis.Redis) -> float:
-    seconds, micros = client.time()
-    return seconds + micros / 1e6
 
 
 async def _charge(url: str, request_id: str, used: int) -> None:
@@ -51,7 +46,7 @@ def test_an_ended_windows_counter_expires_and_only_live_windows_are_compared(
 
     # Once the first window's key is gone (it ended EXPIRY_MARGIN_S ago), charge the next.
     gone_at = first + span + windows.EXPIRY_MARGIN_S
-    assert wait_until(lambda: _server_s(plain) > gone_at, timeout_s=30, interval_s=0.05)
+    assert wait_until(lambda: server_now(plain) > gone_at, timeout_s=30, interval_s=0.05)
     asyncio.run(_charge(usage_redis.url, "after", 11))
 
     counters, listed = live_books(plain, TENANT, "tpm")
@@ -59,12 +54,11 @@ def test_an_ended_windows_counter_expires_and_only_live_windows_are_compared(
     [((_, second), kept_second)] = counters.items()
     assert second > first and kept_second >= 11
     # The ledger still holds both requests; the counters only the live window.
-    stream = f"tq:{{{TENANT}}}:usage"
-    assert ledger_net([f for _, f in plain.xrange(stream)], "tpm") == kept_first + kept_second
+    assert ledger_net(ledger(plain, TENANT), "tpm") == kept_first + kept_second
     assert not plain.exists(counter_key(TENANT, "tpm", "m", WINDOW_S) + f":{first}")
 
     # A live window the ledger does not list still shows.
-    later = int(_server_s(plain)) + 3600
+    later = int(server_now(plain)) + 3600
     plain.set(counter_key(TENANT, "tpm", "m", WINDOW_S) + f":{later}", 1, ex=60)
     counters, listed = live_books(plain, TENANT, "tpm")
     assert counters[(span, later)] == 1 and (span, later) not in listed
