@@ -60,19 +60,71 @@ class ProcessorHealthCheck:
 class ProcessorTls:
     """Mutual TLS to the processors (``extproc serve --tls-cert/--tls-key/--tls-client-ca``):
     Envoy verifies the processor's certificate against ``ca_file`` and its name against
-    ``server_name`` (also sent as SNI), and presents its own client certificate."""
+    ``server_name`` (also sent as SNI), and presents its own client certificate.
+
+    Envoy takes the three files as two Secrets from files in ``secrets_dir``
+    (``processor_secrets``: write them before Envoy starts). So it watches the certificates'
+    directories and uses rotated files for its next connections, without a restart.
+    """
 
     ca_file: str
     cert_file: str
     key_file: str
+    secrets_dir: str
     server_name: str = "extproc"
+
+
+CLIENT_SECRET = "extproc_client_cert"
+CA_SECRET = "extproc_ca"
+
+# One Secret per file (Envoy's file-based SDS takes one resource per file). The watched
+# directory is the one the kubelet swaps a Secret's ``..data`` link in: moving a new set
+# in reloads the pair (read together) or the CA.
+_SECRET = """\
+# Read by Envoy's file-based SDS (stack/envoy.py renders it). A move in the watched
+# directory, as a Kubernetes Secret update makes, reloads the files below.
+resources:
+- "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret
+  name: {name}
+{body}"""
+_CLIENT_CERT = """\
+  tls_certificate:
+    certificate_chain: {{filename: {cert_file}}}
+    private_key: {{filename: {key_file}}}
+    watched_directory: {{path: {directory}}}
+"""
+_CA = """\
+  validation_context:
+    trusted_ca: {{filename: {ca_file}}}
+    watched_directory: {{path: {directory}}}
+"""
+
+
+def processor_secrets(tls: ProcessorTls) -> dict[str, str]:
+    """The two Secret files the mTLS transport socket names: path -> text."""
+    cert_dir, ca_dir = str(Path(tls.cert_file).parent), str(Path(tls.ca_file).parent)
+    client = _CLIENT_CERT.format(cert_file=tls.cert_file, key_file=tls.key_file, directory=cert_dir)
+    ca = _CA.format(ca_file=tls.ca_file, directory=ca_dir)
+    return {
+        _secret_path(tls, CLIENT_SECRET): _SECRET.format(name=CLIENT_SECRET, body=client),
+        _secret_path(tls, CA_SECRET): _SECRET.format(name=CA_SECRET, body=ca),
+    }
+
+
+def write_processor_secrets(tls: ProcessorTls) -> None:
+    for path, text in processor_secrets(tls).items():
+        Path(path).write_text(text)
+
+
+def _secret_path(tls: ProcessorTls, name: str) -> str:
+    return str(Path(tls.secrets_dir) / f"{name}.yaml")
 
 
 # The quota_extproc cluster's transport_socket, at the cluster's indentation.
 _PROCESSOR_TLS = """\
     # Mutual TLS to the processors: their certificate must be signed by the CA and name
     # {server_name}; Envoy presents its own (the processors' --tls-client-ca verifies it).
-    # The files are read when Envoy starts: rotate them with a rolling restart of Envoy.
+    # Both come from Secret files Envoy watches: rotated files serve the next connections.
     transport_socket:
       name: envoy.transport_sockets.tls
       typed_config:
@@ -80,14 +132,21 @@ _PROCESSOR_TLS = """\
         sni: {server_name}
         common_tls_context:
           alpn_protocols: [h2]
-          tls_certificates:
-          - certificate_chain: {{filename: {cert_file}}}
-            private_key: {{filename: {key_file}}}
-          validation_context:
-            trusted_ca: {{filename: {ca_file}}}
-            match_typed_subject_alt_names:
-            - san_type: DNS
-              matcher: {{exact: {server_name}}}
+          tls_certificate_sds_secret_configs:
+          - name: {client_secret}
+            sds_config:
+              path_config_source: {{path: {client_path}}}
+              resource_api_version: V3
+          combined_validation_context:
+            default_validation_context:
+              match_typed_subject_alt_names:
+              - san_type: DNS
+                matcher: {{exact: {server_name}}}
+            validation_context_sds_secret_config:
+              name: {ca_secret}
+              sds_config:
+                path_config_source: {{path: {ca_path}}}
+                resource_api_version: V3
 """
 
 
@@ -97,9 +156,10 @@ def processor_transport_socket(tls: ProcessorTls | None) -> str:
         return ""
     return _PROCESSOR_TLS.format(
         server_name=tls.server_name,
-        cert_file=tls.cert_file,
-        key_file=tls.key_file,
-        ca_file=tls.ca_file,
+        client_secret=CLIENT_SECRET,
+        client_path=_secret_path(tls, CLIENT_SECRET),
+        ca_secret=CA_SECRET,
+        ca_path=_secret_path(tls, CA_SECRET),
     )
 
 

@@ -1,7 +1,8 @@
 """deploy/mtls/, the mutual-TLS Component: its Envoy bootstrap is the shipped one plus the
-transport_socket the template renders, and passes ``envoy --mode validate`` with real
-certificates; its patches, applied to the base Deployments, give valid objects whose flags,
-mounts and probes agree with each other (the TLS path itself runs in tests/gateway/test_tls.py)."""
+transport_socket the template renders, its two Secret files are the rendered ones, and all
+pass ``envoy --mode validate`` with real certificates; its patches, applied to the base
+Deployments, give valid objects whose flags, mounts and probes agree with each other (the
+TLS path itself runs in tests/gateway/test_tls.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from stack.envoy import ProcessorTls, processor_transport_socket, validate
+from stack.envoy import ProcessorTls, processor_secrets, processor_transport_socket, validate
 from tests.deploy.certs import make_ca, make_leaf
 from tests.deploy.conftest import DEPLOY, flag, k8s_object, load_yaml
 from tests.deploy.test_manifests import DEFINITIONS
@@ -19,6 +20,14 @@ from tests.deploy.test_manifests import validate as validate_schema
 
 MTLS = DEPLOY / "mtls"
 ENVOY_TLS_DIR = "/etc/envoy/tls"
+ENVOY_CONFIG_DIR = "/etc/envoy"  # the envoy-config ConfigMap's mount
+TLS = ProcessorTls(
+    ca_file=f"{ENVOY_TLS_DIR}/ca.crt",
+    cert_file=f"{ENVOY_TLS_DIR}/tls.crt",
+    key_file=f"{ENVOY_TLS_DIR}/tls.key",
+    secrets_dir=ENVOY_CONFIG_DIR,
+    server_name="extproc",
+)
 
 
 def _quota_cluster(doc: dict[str, Any]) -> dict[str, Any]:
@@ -31,24 +40,29 @@ def test_the_mtls_bootstrap_is_the_shipped_one_plus_the_rendered_transport_socke
     shipped = load_yaml(DEPLOY / "envoy" / "envoy.yaml")
     socket = _quota_cluster(variant).pop("transport_socket")
     assert variant == shipped
-    tls = ProcessorTls(
-        ca_file=f"{ENVOY_TLS_DIR}/ca.crt",
-        cert_file=f"{ENVOY_TLS_DIR}/tls.crt",
-        key_file=f"{ENVOY_TLS_DIR}/tls.key",
-        server_name="extproc",
-    )
-    assert socket == yaml.safe_load(processor_transport_socket(tls))["transport_socket"]
+    assert socket == yaml.safe_load(processor_transport_socket(TLS))["transport_socket"]
+
+
+def test_the_components_secret_files_are_the_rendered_ones_and_in_envoys_config_map():
+    (generator,) = load_yaml(MTLS / "kustomization.yaml")["configMapGenerator"]
+    for path, text in processor_secrets(TLS).items():
+        name = Path(path).name
+        assert Path(path).parent == Path(ENVOY_CONFIG_DIR) and name in generator["files"]
+        assert (MTLS / name).read_text() == text
 
 
 def test_the_mtls_bootstrap_passes_envoy_validate(tmp_path: Path):
     ca = make_ca(tmp_path, "ca")
     client = make_leaf(tmp_path, ca, "envoy", "DNS:envoy")
     files = {"ca.crt": ca[0], "tls.crt": client[0], "tls.key": client[1]}
-    text = (MTLS / "envoy.yaml").read_text()
-    for name, path in files.items():
-        text = text.replace(f"{ENVOY_TLS_DIR}/{name}", str(path))
+    for name in ("envoy.yaml", *(Path(p).name for p in processor_secrets(TLS))):
+        text = (MTLS / name).read_text()
+        for cert, path in files.items():
+            text = text.replace(f"{ENVOY_TLS_DIR}/{cert}", str(path))
+        text = text.replace(ENVOY_TLS_DIR, str(tmp_path))  # the watched directory
+        text = text.replace(f"{ENVOY_CONFIG_DIR}/", f"{tmp_path}/")
+        (tmp_path / name).write_text(text)
     config = tmp_path / "envoy.yaml"
-    config.write_text(text)
     result = validate(config)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
@@ -97,7 +111,7 @@ def test_the_component_replaces_envoys_bootstrap_and_patches_both_deployments(k8
     assert component["kind"] == "Component"
     (generator,) = component["configMapGenerator"]
     assert generator["name"] == "envoy-config" and generator["behavior"] == "replace"
-    assert generator["files"] == ["envoy.yaml"] and (MTLS / "envoy.yaml").is_file()
+    assert generator["files"][0] == "envoy.yaml" and (MTLS / "envoy.yaml").is_file()
     kustomization = (DEPLOY / "kustomization.yaml").read_text()
     assert "# components: [mtls]" in kustomization  # documented, off by default
     for name in ("extproc", "envoy"):

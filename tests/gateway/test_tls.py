@@ -2,8 +2,8 @@
 
 Certificates are made here with the ``openssl`` CLI: CA 1 signs the processor's certificate
 (SAN ``extproc``) and Envoy's client certificate; CA 2 signs a rogue client's. The processor
-serves ``tls`` from files in a directory a test can rotate the way a Kubernetes Secret
-update does (a ``..data`` symlink swapped atomically)."""
+serves ``tls``, and Envoy takes its own, from files in directories a test can rotate the way
+a Kubernetes Secret update does (a ``..data`` symlink swapped atomically)."""
 
 from __future__ import annotations
 
@@ -12,20 +12,28 @@ import socket
 import ssl
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import openai
+import orjson
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loadlab.gateway import ROOT, Envoy, wait_until, write_config
+from loadlab.gateway import ROOT, Envoy, http_get, wait_until, write_config
 from loadlab.procs import ManagedProcess, free_port
 from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
-from stack.envoy import EnvoyPorts, ProcessorHealthCheck, ProcessorTls, render_bootstrap
+from stack.envoy import (
+    EnvoyPorts,
+    ProcessorHealthCheck,
+    ProcessorTls,
+    render_bootstrap,
+    write_processor_secrets,
+)
 from tests.deploy.certs import make_ca, make_leaf, serial_of
 from tests.gateway.conftest import processor_config, tenant_key
 
@@ -42,6 +50,9 @@ class Certs:
     client: tuple[Path, Path]
     rogue: tuple[Path, Path]  # signed by another CA
     rogue_ca: Path
+    next_ca: Path  # a CA both sides rotate to
+    next_server: tuple[Path, Path]
+    next_client: tuple[Path, Path]
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +60,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     d = tmp_path_factory.mktemp("certs")
     ca = make_ca(d, "ca")
     other = make_ca(d, "other-ca")
+    later = make_ca(d, "next-ca")
     return Certs(
         ca=ca[0],
         server=make_leaf(d, ca, "server", f"DNS:{NAME},IP:127.0.0.1"),
@@ -56,6 +68,9 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
         client=make_leaf(d, ca, "envoy", "DNS:envoy"),
         rogue=make_leaf(d, other, "rogue", "DNS:envoy"),
         rogue_ca=other[0],
+        next_ca=later[0],
+        next_server=make_leaf(d, later, "next-server", f"DNS:{NAME},IP:127.0.0.1"),
+        next_client=make_leaf(d, later, "next-envoy", "DNS:envoy"),
     )
 
 
@@ -126,23 +141,41 @@ class TlsGateway:
     processor: ManagedProcess
     port: int
     health_port: int
-    secret: MountedSecret
+    secret: MountedSecret  # the processor's
+    envoy_secret: MountedSecret
     redis: redis.Redis
+    argv: list[str]  # the processor's command line
+    log_dir: Path
+
+    def restart_processor(self, ca: Path, client: tuple[Path, Path]) -> None:
+        """A new processor process on the same port, so Envoy's next connection is a new
+        one; returns once it serves (checked with ``ca`` and ``client``) and one of Envoy's
+        health checks, made after that over its own new connection, has passed."""
+        self.processor.stop()
+        self.processor = ManagedProcess(self.argv, self.log_dir / "extproc-2.log", cwd=ROOT)
+        with tls_channel(self.port, ca, client) as channel:
+            self.processor.wait_ready(lambda: health(channel) == 1, timeout_s=30)
+        passed = self.envoy.stats().get(HEALTH_CHECKS_PASSED, 0)
+        assert wait_until(
+            lambda: (
+                self.envoy.stats().get(HEALTH_CHECKS_PASSED, 0) > passed
+                and self.envoy.processor_health(self.port) == "healthy"
+            ),
+            30,
+        ), self.envoy.stats()
 
 
+HEALTH_CHECKS_PASSED = "cluster.quota_extproc.health_check.success"
 TENANT = "tls"
 
 
-@pytest.fixture(scope="module")
-def gateway(
-    tmp_path_factory: pytest.TempPathFactory,
-    certs: Certs,
-    redis_server: RedisServer,
-    simulators: list[Simulator],
-) -> Iterator[TlsGateway]:
-    d = tmp_path_factory.mktemp("tls-gateway")
+@contextmanager
+def tls_gateway(d: Path, certs: Certs, redis_server: RedisServer, backend: int):
+    """Envoy and one processor over mutual TLS, each side's files from a mounted Secret."""
     secret = MountedSecret(d / "secret")
     secret.swap(*certs.server, certs.ca)
+    envoy_secret = MountedSecret(d / "envoy-secret")
+    envoy_secret.swap(*certs.client, certs.ca)
     port, health_port = free_port(), free_port()
     config = write_config(
         d / "quota.yaml",
@@ -160,36 +193,64 @@ def gateway(
     argv = [sys.executable, "-m", "extproc", "serve", "--config", str(config),
             "--listen", f"127.0.0.1:{port}", "--drain-delay-s", "0"]  # fmt: skip
     processor = ManagedProcess(argv, d / "extproc.log", cwd=ROOT)
-    started: list = [processor]
+    envoy: Envoy | None = None
+    gw: TlsGateway | None = None
     client = redis.Redis(port=redis_server.port, decode_responses=True)
     try:
         with tls_channel(port, certs.ca, certs.client) as channel:
             processor.wait_ready(lambda: health(channel) == 1, timeout_s=30)
         ports = EnvoyPorts(listen=free_port(), admin=free_port())
+        tls = ProcessorTls(
+            ca_file=envoy_secret.path("ca.crt"),
+            cert_file=envoy_secret.path("tls.crt"),
+            key_file=envoy_secret.path("tls.key"),
+            secrets_dir=str(d),
+            server_name=NAME,
+        )
+        write_processor_secrets(tls)
         bootstrap = d / "envoy.yaml"
         bootstrap.write_text(
             render_bootstrap(
                 ports,
                 [port],
-                [simulators[0].port],
+                [backend],
                 health_check=ProcessorHealthCheck(),
-                processor_tls=ProcessorTls(
-                    ca_file=str(certs.ca),
-                    cert_file=str(certs.client[0]),
-                    key_file=str(certs.client[1]),
-                    server_name=NAME,
-                ),
+                processor_tls=tls,
             )
         )
         envoy = Envoy.launch(bootstrap, ports, d / "envoy.log")
-        started.append(envoy)
         # Envoy's gRPC health check goes over the same mutual TLS.
         assert wait_until(lambda: envoy.processor_health(port) == "healthy", 30)
-        yield TlsGateway(envoy, processor, port, health_port, secret, client)
+        gw = TlsGateway(envoy, processor, port, health_port, secret, envoy_secret, client, argv, d)
+        yield gw
     finally:
         client.close()
-        for part in reversed(started):
-            part.stop()
+        if envoy is not None:
+            envoy.stop()
+        (processor if gw is None else gw.processor).stop()  # the restarted one, if any
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory,
+    certs: Certs,
+    redis_server: RedisServer,
+    simulators: list[Simulator],
+) -> Iterator[TlsGateway]:
+    d = tmp_path_factory.mktemp("tls-gateway")
+    with tls_gateway(d, certs, redis_server, simulators[0].port) as gw:
+        yield gw
+
+
+def envoy_serials(envoy: Envoy) -> tuple[set[int], set[int]]:
+    """Serials of the client certificates and of the CAs Envoy's TLS contexts hold now."""
+    status, text = http_get(f"http://127.0.0.1:{envoy.ports.admin}/certs")
+    assert status == 200, text
+    chains, cas = set(), set()
+    for context in orjson.loads(text)["certificates"]:
+        chains |= {int(c["serial_number"], 16) for c in context.get("cert_chain", [])}
+        cas |= {int(c["serial_number"], 16) for c in context.get("ca_cert", [])}
+    return chains, cas
 
 
 def _stream(gateway: TlsGateway) -> tuple[int, int]:
@@ -263,3 +324,35 @@ def test_rotated_certificates_are_served_without_a_restart(gateway: TlsGateway, 
     assert served_serial(gateway.port, certs.ca, certs.client) == serial_of(certs.rotated[0])
     assert "tls_rotation_refused" in gateway.processor.log_text()
     gateway.secret.swap(*certs.rotated, certs.ca)
+
+
+def test_envoy_takes_a_rotated_client_certificate_and_ca_without_a_restart(
+    tmp_path: Path, certs: Certs, redis_server: RedisServer, simulators: list[Simulator]
+):
+    """Both sides move to a new CA by Secret updates alone. The processor is then restarted
+    (a rolled pod), so Envoy must open a new connection: it can only with its rotated
+    certificate, and only if it trusts the processor's new CA."""
+    with tls_gateway(tmp_path, certs, redis_server, simulators[0].port) as gw:
+        assert envoy_serials(gw.envoy) == ({serial_of(certs.client[0])}, {serial_of(certs.ca)})
+        events, completion = _stream(gw)
+        assert events == completion >= 1
+        pid = gw.envoy.process.pid
+        # Half a rotation (a key that does not match the new certificate) is refused and
+        # logged; the certificate in use stays.
+        gw.envoy_secret.swap(certs.next_client[0], certs.client[1], certs.ca)
+        refused = "Failed to reload certificates"
+        assert wait_until(lambda: refused in gw.envoy.process.log_text(), 30)
+        assert envoy_serials(gw.envoy) == ({serial_of(certs.client[0])}, {serial_of(certs.ca)})
+        gw.envoy_secret.swap(*certs.next_client, certs.next_ca)
+        rotated = ({serial_of(certs.next_client[0])}, {serial_of(certs.next_ca)})
+        assert wait_until(lambda: envoy_serials(gw.envoy) == rotated, 30), envoy_serials(gw.envoy)
+        assert gw.envoy.process.pid == pid and gw.envoy.process.proc.poll() is None
+        gw.secret.swap(*certs.next_server, certs.next_ca)
+        handshakes = gw.envoy.stats()["cluster.quota_extproc.ssl.handshake"]
+        before = len(_ledger(gw))
+        gw.restart_processor(certs.next_ca, certs.next_client)
+        events, completion = _stream(gw)
+        assert events == completion >= 1
+        assert wait_until(lambda: len(_ledger(gw)) == before + 1, 10)
+        assert int(_ledger(gw)[-1]["output_tokens"]) == completion
+        assert gw.envoy.stats()["cluster.quota_extproc.ssl.handshake"] > handshakes
