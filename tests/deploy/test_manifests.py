@@ -1,16 +1,19 @@
 """The Kubernetes manifests, offline: every object validates against the Kubernetes API
 schemas (tests/deploy/schemas/, vendored from the 1.36 OpenAPI document), and the
 NetworkPolicies leave no Service open: each Service's pods are selected by a policy that
-names the peers allowed on each of its ports, behind a default deny."""
+names the peers allowed on each of its ports, behind a default deny; and behind a default
+deny of egress each workload may send to the cluster's DNS and to exactly the Services its
+configuration names (Envoy's clusters, the Redis URLs), on their ports."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
-from tests.deploy.conftest import flag, k8s_object, pod_templates
+from tests.deploy.conftest import DEPLOY, flag, k8s_object, load_yaml, pod_templates
 from tests.deploy.k8s_schema import DEFINITIONS, definition_of, validate
 
 
@@ -166,6 +169,106 @@ def test_the_coverage_check_sees_an_open_port(k8s_objects):
             obj["spec"]["ingress"].append({"ports": [{"protocol": "TCP", "port": 6379}]})
     with pytest.raises(AssertionError, match="Service redis port 6379"):
         test_every_service_is_covered_by_a_policy_naming_its_peers(opened)
+
+
+KUBE_DNS = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+    "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+}
+
+
+def _egress_policies(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [p for p in _policies(objects) if "Egress" in p["spec"]["policyTypes"]]
+
+
+def test_egress_is_denied_by_default(k8s_objects):
+    deny = [
+        p
+        for p in _egress_policies(k8s_objects)
+        if p["spec"]["podSelector"] == {} and not p["spec"].get("egress")
+    ]
+    assert deny, "no default-deny egress policy"
+
+
+def egress_allowed(objects: list[dict[str, Any]]) -> dict[str, set[tuple[str, int]]]:
+    """What each workload may send to, as (peer, port): a peer is the workloads of deploy/
+    a pod selector admits, ``dns`` (the cluster DNS) or ``anywhere`` (a rule with no
+    ``to``, an ipBlock, another namespace); port 0 is every port."""
+    labels = {name: t["metadata"]["labels"] for name, t in pod_templates(objects)}
+
+    def peer_name(peer: dict[str, Any] | None) -> str:
+        if peer == KUBE_DNS:
+            return "dns"
+        if peer is None or set(peer) != {"podSelector"}:
+            return "anywhere"
+        return ",".join(sorted(w for w, lab in labels.items() if selects(peer["podSelector"], lab)))
+
+    out: dict[str, set[tuple[str, int]]] = {w: set() for w in labels}
+    for policy in _egress_policies(objects):
+        for workload, lab in labels.items():
+            if not selects(policy["spec"]["podSelector"], lab):
+                continue
+            for rule in policy["spec"].get("egress", []):
+                ports = [p["port"] for p in rule.get("ports", [])] or [0]
+                for peer in rule.get("to") or [None]:
+                    out[workload] |= {(peer_name(peer), port) for port in ports}
+    return out
+
+
+def configured_destinations(objects: list[dict[str, Any]]) -> dict[str, set[tuple[str, int]]]:
+    """(workload, container port) each workload's configuration sends to, by Service name."""
+    templates = dict(pod_templates(objects))
+    labels = {name: t["metadata"]["labels"] for name, t in templates.items()}
+
+    def service_target(host: str, port: int) -> tuple[str, int]:
+        service = k8s_object(objects, "Service", host.split(".", 1)[0])
+        (pod,) = [
+            p
+            for p, lab in labels.items()
+            if selects({"matchLabels": service["spec"]["selector"]}, lab)
+        ]
+        (entry,) = [e for e in service["spec"]["ports"] if e["port"] == port]
+        return pod, _container_port(templates, [pod], entry.get("targetPort", port))
+
+    envoy = load_yaml(DEPLOY / "envoy" / "envoy.yaml")
+    envoy_to = set()
+    for cluster in envoy["static_resources"]["clusters"]:
+        for group in cluster["load_assignment"]["endpoints"]:
+            for endpoint in group["lb_endpoints"]:
+                address = endpoint["endpoint"]["address"]["socket_address"]
+                envoy_to.add(service_target(address["address"], address["port_value"]))
+
+    def redis_of(url: str) -> tuple[str, int]:
+        parts = urlsplit(url)
+        assert parts.hostname is not None and parts.port is not None, url
+        return service_target(parts.hostname, parts.port)
+
+    processor_url = k8s_object(objects, "Secret", "extproc-secrets")["stringData"]["REDIS_URL"]
+    (export,) = templates["ledger-export"]["spec"]["containers"]
+    return {
+        "envoy": envoy_to,
+        "extproc": {redis_of(processor_url)},
+        "ledger-export": {redis_of(flag(export["args"], "--redis-url"))},
+    }
+
+
+def test_each_workload_may_send_only_to_dns_and_what_its_configuration_names(k8s_objects):
+    allowed = egress_allowed(k8s_objects)
+    configured = configured_destinations(k8s_objects)
+    assert configured["envoy"] == {("extproc", 50051), ("llm-sim", 8000)}
+    assert configured["extproc"] == configured["ledger-export"] == {("redis", 6379)}
+    for workload, peers in allowed.items():
+        assert peers == {("dns", 53)} | configured.get(workload, set()), workload
+
+
+def test_the_egress_check_sees_an_open_destination(k8s_objects):
+    """Not vacuous: a rule letting the processors send anywhere fails the check above."""
+    opened = copy.deepcopy(k8s_objects)
+    for obj in opened:
+        if obj["kind"] == "NetworkPolicy" and obj["metadata"]["name"].endswith("-to-redis"):
+            obj["spec"]["egress"].append({"ports": [{"protocol": "TCP", "port": 443}]})
+    with pytest.raises(AssertionError, match="extproc"):
+        test_each_workload_may_send_only_to_dns_and_what_its_configuration_names(opened)
 
 
 def test_redis_persists_to_an_append_only_file_on_a_volume(compose, k8s_objects):
