@@ -417,16 +417,20 @@ def _crash_faults(s: ChaosScenario) -> list[Any]:
 def check_crashes(s: ChaosScenario, parts: ChaosParts) -> Check:
     """Every worker kill and master kill of the scenario happened: the worker's pid was
     SIGKILLed and its supervisor started another in its place; the master's pid was
-    SIGKILLed and its replica took its slots."""
+    SIGKILLed and its replica took its slots; a master killed ``for`` a time came back as
+    its successor's replica."""
     planned_workers = sum(1 for f in s.faults if f.worker is not None)
     planned_masters = sum(1 for f in s.faults if f.master is not None)
+    planned_rejoins = sum(1 for f in s.faults if f.master is not None and f.for_s)
     gone = [r for r in parts.replaced if os.path.exists(f"/proc/{r['killed_pid']}")]
     promoted = [f for f in parts.failovers if f["new_port"] is not None]
+    rejoined = [f for f in parts.failovers if f.get("rejoined_as_replica")]
     passed = (
         len(parts.replaced) == planned_workers
         and not gone
         and len(promoted) == planned_masters
         and len(parts.failovers) == planned_masters
+        and len(rejoined) == planned_rejoins
     )
     figures = {
         "workers_killed": len(parts.killed_pids),
@@ -439,7 +443,8 @@ def check_crashes(s: ChaosScenario, parts: ChaosParts) -> Check:
         passed,
         figures,
         f"workers SIGKILLed and replaced {len(parts.replaced)}/{planned_workers}, "
-        f"masters SIGKILLed and failed over {len(promoted)}/{planned_masters}",
+        f"masters SIGKILLed and failed over {len(promoted)}/{planned_masters}, "
+        f"back as replicas {len(rejoined)}/{planned_rejoins}",
     )
 
 

@@ -55,7 +55,8 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s)?\s*$")
 @dataclass(frozen=True)
 class Fault:
     """One fault on the timeline: at ``at_s`` into the load, for ``for_s`` (the down time
-    of a kill before the restart; 0: a kill stays down, a pause is required to last)."""
+    of a kill before the restart; 0: a kill stays down, a pause is required to last). A
+    killed cluster master restarted after ``for_s`` rejoins as a replica of its successor."""
 
     at_s: float
     kind: str
@@ -420,8 +421,6 @@ def _fault(value: object, key: str) -> Fault:
         if kind != "redis_kill":
             raise ScenarioError(f"{key}.master", f"only for redis_kill, not {kind}")
         master = _int(doc["master"], f"{key}.master")
-        if for_s:
-            raise ScenarioError(f"{key}.for", "a killed master stays down: its replica takes over")
     return Fault(
         _seconds(doc["at"], f"{key}.at"),
         kind,

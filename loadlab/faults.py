@@ -189,6 +189,9 @@ class ChaosParts:
         self.killed_pids: list[int] = []  # the pid each SIGKILL was sent to
         self.killed_masters: list[tuple[int, float]] = []  # (master index, wall clock)
         self.failovers: list[dict[str, Any]] = []
+        # One kill of a master at a time (its rejoin included): a second kill of the same
+        # slots waits until the node that took them has a replica again.
+        self._master_locks: dict[int, threading.Lock] = {}
         self.replaced: list[dict[str, Any]] = []  # a supervisor's worker replaced
         self._lock = threading.Lock()  # a fault replaces a part while stop() may run
         self._everything: list[ManagedProcess] = []  # every process ever started, in order
@@ -376,14 +379,22 @@ class ChaosParts:
 
     def _redis_kill(self, f: Fault) -> None:
         if f.master is not None:
-            self._master_kill(f.master)
+            self._master_kill(f.master, f.for_s)
             return
         self._redis_down(f, signal.SIGKILL, "redis_kill", f.for_s)
 
-    def _master_kill(self, index: int) -> None:
-        """SIGKILL master ``index`` (slot order at the start); it stays down: its replica
-        takes over once the others vote it failed (cluster-node-timeout 1 s, then ~1-2 s).
-        The fault ends when every live node agrees on the new master."""
+    def _master_kill(self, index: int, down_s: float) -> None:
+        """SIGKILL master ``index`` (the master of the index-th slot range at the start, or
+        whoever took it over since); its replica takes over once the others vote it failed
+        (cluster-node-timeout 1 s, then ~1-2 s). The fault ends when every live node agrees
+        on the new master. With ``down_s``, the killed node is started again that long
+        after and rejoins as the new master's replica: empty, it must not serve a stale
+        slot (the invariants check that no budget was given twice)."""
+        assert self.cluster is not None
+        with self._master_locks.setdefault(index, threading.Lock()):
+            self._kill_master(index, down_s)
+
+    def _kill_master(self, index: int, down_s: float) -> None:
         assert self.cluster is not None
         port = self.masters[index]
         node = self.cluster.node(port)
@@ -396,7 +407,20 @@ class ChaosParts:
             a.ended_s = time.time()
         new = next((m for m in self.cluster.topology() if m not in self.masters), None)
         a.note = f"failed over to replica port {new}" if new else "failed over"
-        self.failovers.append({"master": index, "old_port": port, "new_port": new})
+        failover: dict[str, Any] = {"master": index, "old_port": port, "new_port": new}
+        self.failovers.append(failover)
+        if new is None:
+            return
+        self.masters[index] = new  # a later kill of this index kills the one serving it now
+        if not down_s:
+            return
+        self._sleep(down_s)
+        if self.ending:
+            return
+        self._keep(node.restart())
+        self.cluster.wait_rejoined(port, new)
+        failover["rejoined_as_replica"] = True
+        a.note += f"; port {port} back {down_s:g}s later as its replica"
 
     def _redis_restart(self, f: Fault) -> None:
         self._redis_down(f, signal.SIGTERM, "redis_restart", f.for_s)

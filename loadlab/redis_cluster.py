@@ -78,6 +78,20 @@ class Node:
         self.process.signal(signal.SIGKILL)
         self.process.proc.wait(10)
 
+    def restart(self) -> ManagedProcess:
+        """A killed node started again on its port and data directory (empty: persistence
+        off; its cluster config file says who it was). Returns the new process."""
+        log = self.process.log_path
+        self.process.stop()
+        self.process = ManagedProcess(self.process.argv, log.with_name(f"{log.stem}-again.log"))
+        self.stopped = False
+        try:
+            self.process.wait_ready(lambda: accepts_connections(self.port), timeout_s=15.0)
+        except BaseException:
+            self.process.stop()
+            raise
+        return self.process
+
     def stop(self) -> None:
         if self.stopped:
             self.resume()
@@ -244,6 +258,23 @@ class RedisClusterSet:
 
         wait_for(changed, f"master {old_port} failed over", timeout_s)
         return 0
+
+    def wait_rejoined(self, port: int, master: int, timeout_s: float = 60.0) -> None:
+        """Once the node on ``port`` is a connected replica of ``master`` and every node
+        says the cluster is ok (a restarted master learns from its peers that it lost its
+        slots, and syncs from the replica that took them)."""
+
+        def rejoined() -> bool:
+            role = self.node(port).client().execute_command("ROLE")
+            return (
+                role[0] == "slave"
+                and int(role[2]) == master
+                and role[3] == "connected"
+                and port in self.topology().get(master, [])
+                and self._all_ok()
+            )
+
+        wait_for(rejoined, f"node {port} a replica of {master}", timeout_s)
 
     def stop(self) -> None:
         for node in self.nodes:
