@@ -335,7 +335,7 @@ async def _run(
     watcher = Watcher(
         parts.redis_url,
         cluster_ports=parts.cluster_ports(),
-        cluster_shards=parts.cluster_shards(),
+        cluster_shards=parts.cluster_shards,
     )
     watcher.start()
     total = None

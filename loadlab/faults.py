@@ -180,6 +180,7 @@ class ChaosParts:
         self.tenant_master: dict[str, int] = {}  # tenant → master index (a cluster)
         self.masters: list[int] = []  # master ports in slot order, as at the start
         self.shards: dict[int, list[int]] = {}  # master port → its replicas', at the start
+        self.shard_nodes: list[list[int]] = []  # each shard's nodes, the master now first
         self.sim: Simulator | None = None
         self.processors: list[Processor | Supervisor | None] = []
         self.envoy: Envoy | None = None
@@ -206,8 +207,10 @@ class ChaosParts:
         return self.redis.url
 
     def cluster_shards(self) -> list[list[int]]:
-        """Each master's port then its replicas', as at the start (none: a single Redis)."""
-        return [[m, *r] for m, r in sorted(self.shards.items())]
+        """Each shard's nodes, its master now first, then its replicas: as at the start, but
+        a killed master's successor moved to the front (none: a single Redis)."""
+        with self._lock:
+            return [list(nodes) for nodes in self.shard_nodes]
 
     def cluster_ports(self) -> list[int]:
         """Every node of the cluster (none: a single Redis)."""
@@ -256,6 +259,8 @@ class ChaosParts:
             self._keep(node.process)
         self.cluster.wait_replicas_synced()
         self.shards = self.cluster.topology()
+        with self._lock:
+            self.shard_nodes = [[m, *r] for m, r in sorted(self.shards.items())]
         by_port = self.cluster.tenants_on_masters(
             per_master=-(-s.tenants // s.masters), stem="chaos-"
         )
@@ -412,6 +417,11 @@ class ChaosParts:
         if new is None:
             return
         self.masters[index] = new  # a later kill of this index kills the one serving it now
+        with self._lock:
+            for nodes in self.shard_nodes:
+                if new in nodes:  # read first from now on; the killed node after it
+                    nodes.remove(new)
+                    nodes.insert(0, new)
         if not down_s:
             return
         self._sleep(down_s)

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,10 +77,12 @@ def _tenant_of(key: str) -> str:
 
 class Watcher:
     """``cluster_ports``: the nodes of a Redis Cluster (none: the single Redis at
-    ``redis_url``); ``cluster_shards``: each master's port followed by its replicas'. On a
-    cluster every read goes to each shard (a tenant's keys live in its hash tag's slot, on
-    one of them) and there is one epoch: a failed-over master's replica holds what it
-    held."""
+    ``redis_url``); ``cluster_shards``: each shard's nodes in the order to read them now,
+    its master first (asked on every read: the chaos faults know who took over a killed
+    master's slots, and a killed master started again, empty, is read only after its new
+    master). On a cluster every read goes to each shard (a tenant's keys live in its hash
+    tag's slot, on one of them) and there is one epoch: a failed-over master's replica
+    holds what it held."""
 
     def __init__(
         self,
@@ -88,7 +90,7 @@ class Watcher:
         prefix: str = DEFAULT_PREFIX,
         interval_s: float = 0.25,
         cluster_ports: Sequence[int] = (),
-        cluster_shards: Sequence[Sequence[int]] = (),
+        cluster_shards: Callable[[], Sequence[Sequence[int]]] | None = None,
     ):
         self.url = redis_url
         self.prefix = prefix
@@ -102,8 +104,8 @@ class Watcher:
         self.epochs: list[tuple[str, float]] = []  # run_id, first seen (wall clock s)
         self.read_errors = 0
         self.replica_reads = 0  # shards read from a replica: their master was down
-        # Per master: its port, then its replicas'.
-        self._shards: list[list[int]] = [list(nodes) for nodes in cluster_shards]
+        self._shard_order = cluster_shards
+        self._shards: list[list[int]] = []  # found by CLUSTER SLOTS (no ``cluster_shards``)
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._tick = 0
@@ -141,12 +143,14 @@ class Watcher:
         return self._nodes[key]
 
     async def shards(self) -> list[list[int]]:
-        """Each master's port and its replicas', as given (``cluster_shards``) or as the
-        first node that answers CLUSTER SLOTS saw them (replicas not yet in sync are left
-        out of it). A shard is read from the first of its nodes that answers, so from its
-        replica (``READONLY``) while its master is dead and not yet replaced, and after
-        (the killed master stays down): nodes list a failed master's slots under no one
-        for a while, so asking them on every read would skip those slots meanwhile."""
+        """Each shard's nodes, master first: as ``cluster_shards`` says now, or as the first
+        node that answers CLUSTER SLOTS saw them (replicas not yet in sync are left out of
+        it). A shard is read from the first of its nodes that answers, so from its replica
+        (``READONLY``) while its master is dead and not yet replaced: nodes list a failed
+        master's slots under no one for a while, so asking them on every read would skip
+        those slots meanwhile."""
+        if self._shard_order is not None:
+            return [list(nodes) for nodes in self._shard_order()]
         if self._shards:
             return self._shards
         for port in self.cluster_ports:

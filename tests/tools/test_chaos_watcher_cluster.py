@@ -50,7 +50,7 @@ def test_a_killed_masters_shard_is_read_from_its_replica_until_and_after_the_fai
             w = Watcher(
                 "",
                 cluster_ports=[n.port for n in cluster.nodes],
-                cluster_shards=shards,
+                cluster_shards=lambda: shards,
             )
             try:
                 before = await w.read(None)  # type: ignore[arg-type]
