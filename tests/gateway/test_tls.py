@@ -53,6 +53,7 @@ class Certs:
     next_ca: Path  # a CA both sides rotate to
     next_server: tuple[Path, Path]
     next_client: tuple[Path, Path]
+    misnamed: tuple[Path, Path]  # signed by the CA, for another name
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
         next_ca=later[0],
         next_server=make_leaf(d, later, "next-server", f"DNS:{NAME},IP:127.0.0.1"),
         next_client=make_leaf(d, later, "next-envoy", "DNS:envoy"),
+        misnamed=make_leaf(d, ca, "misnamed", "DNS:not-extproc,IP:127.0.0.1"),
     )
 
 
@@ -147,14 +149,17 @@ class TlsGateway:
     argv: list[str]  # the processor's command line
     log_dir: Path
 
-    def restart_processor(self, ca: Path, client: tuple[Path, Path]) -> None:
+    def restart_processor(self) -> None:
         """A new processor process on the same port, so Envoy's next connection is a new
-        one; returns once it serves (checked with ``ca`` and ``client``) and one of Envoy's
-        health checks, made after that over its own new connection, has passed."""
+        one; returns once it serves (its plaintext health listener answers)."""
         self.processor.stop()
         self.processor = ManagedProcess(self.argv, self.log_dir / "extproc-2.log", cwd=ROOT)
-        with tls_channel(self.port, ca, client) as channel:
-            self.processor.wait_ready(lambda: health(channel) == 1, timeout_s=30)
+        with grpc.insecure_channel(f"127.0.0.1:{self.health_port}") as probe:
+            self.processor.wait_ready(lambda: health(probe) == 1, timeout_s=30)
+
+    def wait_for_a_passed_health_check(self) -> None:
+        """Until one of Envoy's health checks made from now on has passed: over a connection
+        of its own, so through both sides' certificate checks."""
         passed = self.envoy.stats().get(HEALTH_CHECKS_PASSED, 0)
         assert wait_until(
             lambda: (
@@ -166,6 +171,7 @@ class TlsGateway:
 
 
 HEALTH_CHECKS_PASSED = "cluster.quota_extproc.health_check.success"
+WRONG_NAME = "cluster.quota_extproc.ssl.fail_verify_san"
 TENANT = "tls"
 
 
@@ -350,9 +356,26 @@ def test_envoy_takes_a_rotated_client_certificate_and_ca_without_a_restart(
         gw.secret.swap(*certs.next_server, certs.next_ca)
         handshakes = gw.envoy.stats()["cluster.quota_extproc.ssl.handshake"]
         before = len(_ledger(gw))
-        gw.restart_processor(certs.next_ca, certs.next_client)
+        gw.restart_processor()
+        gw.wait_for_a_passed_health_check()
         events, completion = _stream(gw)
         assert events == completion >= 1
         assert wait_until(lambda: len(_ledger(gw)) == before + 1, 10)
         assert int(_ledger(gw)[-1]["output_tokens"]) == completion
         assert gw.envoy.stats()["cluster.quota_extproc.ssl.handshake"] > handshakes
+
+
+def test_envoy_refuses_a_processor_certificate_for_another_name(
+    tmp_path: Path, certs: Certs, redis_server: RedisServer, simulators: list[Simulator]
+):
+    """The name check stays with the CA taken from a Secret file: a processor serving a
+    certificate of the right CA for another name gets no request."""
+    with tls_gateway(tmp_path, certs, redis_server, simulators[0].port) as gw:
+        refused = gw.envoy.stats().get(WRONG_NAME, 0)
+        before = len(_ledger(gw))
+        gw.secret.swap(*certs.misnamed, certs.ca)
+        gw.restart_processor()
+        assert wait_until(lambda: gw.envoy.stats().get(WRONG_NAME, 0) > refused, 30)
+        with pytest.raises(openai.InternalServerError):
+            _stream(gw)
+        assert len(_ledger(gw)) == before
