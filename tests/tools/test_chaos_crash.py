@@ -2,8 +2,8 @@
 shortened, as a process. 2 processors of ``serve --workers 2`` on a real 3-master Redis
 Cluster with a replica each; a worker SIGKILLed under load once it holds open streams (its
 supervisor replaces it, a live peer settles its records from Redis), then a master
-SIGKILLed (its replica takes over), started again empty (it rejoins as that replica's
-replica), and its successor SIGKILLed (it takes its slots back). The integrity report must
+SIGKILLed (its replica takes over) and started again empty (it rejoins as that replica's
+replica). The integrity report must
 show counters == ledger in every window, one ledger entry per admitted request, 0 open
 records after the drain, the kills as they happened, and no error on the tenants of the
 healthy masters meanwhile.
@@ -29,22 +29,19 @@ from tests.tools.conftest import ROOT
 pytestmark = pytest.mark.slow
 
 CRASH = ROOT / "benchmarks" / "chaos" / "crash.yaml"
-SHORT_S = 20  # of load; the file's 30 s, its faults moved to fit
-WORKER_KILL_AT, MASTER_KILL_AT, SUCCESSOR_KILL_AT = "4s", "8s", "14s"
+SHORT_S = 16  # of load; the file's 30 s, its faults moved to fit
+WORKER_KILL_AT, MASTER_KILL_AT = "4s", "9s"
 
 
 def short_crash() -> dict[str, Any]:
     doc = yaml.safe_load(CRASH.read_text())
     doc["duration_s"] = SHORT_S
-    worker, master, successor = doc["faults"]
+    worker, master = doc["faults"]
     assert worker["fault"] == "processor_kill" and "worker" in worker
     assert master["fault"] == "redis_kill" and "master" in master and "for" in master
-    assert successor["fault"] == "redis_kill" and successor["master"] == master["master"]
     doc["faults"] = [
         {**worker, "at": WORKER_KILL_AT},
         {**master, "at": MASTER_KILL_AT, "for": "2s"},
-        # Waits, if need be, until the first kill's node is back as a replica.
-        {**successor, "at": SUCCESSOR_KILL_AT},
     ]
     return doc
 
@@ -117,34 +114,27 @@ def test_the_worker_was_killed_with_open_streams_replaced_and_its_records_settle
     assert summary["run"]["ledger_reasons"].get("orphaned", 0) >= dead["settled_by_peer"]
 
 
-def test_the_master_was_killed_rejoined_as_a_replica_and_took_its_slots_back(
+def test_the_master_was_killed_failed_over_and_came_back_as_its_successors_replica(
     run: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
     out, _ = run
     summary = load(out, "summary.json")
-    kills = [f for f in summary["faults"] if f["fault"] == "redis_kill"]
-    assert len(kills) == 2
-    for kill in kills:
-        assert kill["target"].startswith("master 1 port ")
-        assert kill["until_s"] is not None and kill["until_s"] >= kill["at_s"]
-    first, second = checks_of(out)["crashes_applied"]["figures"]["failovers"]
-    assert first["master"] == second["master"] == 1
-    assert first["new_port"] is not None and first["new_port"] != first["old_port"]
-    assert first["rejoined_as_replica"] is True and "back 2s later" in kills[0]["note"]
-    # The second kill took the node that had taken over; the rejoined one took over again.
-    assert second["old_port"] == first["new_port"]
-    assert second["new_port"] == first["old_port"]
-    assert "rejoined_as_replica" not in second
+    kill = next(f for f in summary["faults"] if f["fault"] == "redis_kill")
+    assert kill["target"].startswith("master 1 port ")
+    assert kill["until_s"] is not None and kill["until_s"] >= kill["at_s"]
+    [failover] = checks_of(out)["crashes_applied"]["figures"]["failovers"]
+    assert failover["master"] == 1
+    assert failover["new_port"] is not None and failover["new_port"] != failover["old_port"]
+    assert failover["rejoined_as_replica"] is True
+    assert f"port {failover['old_port']} back 2s later as its replica" in kill["note"]
 
 
-def test_the_other_masters_tenants_saw_no_error_during_either_failover(
+def test_the_other_masters_tenants_saw_no_error_during_the_failover(
     run: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
     out, _ = run
     healthy = checks_of(out)["healthy_masters_unaffected"]
     assert healthy["passed"]
-    rows = healthy["figures"]["failovers"]
-    assert len(rows) == 2
-    for row in rows:
-        assert row["requests_of_healthy_masters"] > 0
-        assert row["errors_of_healthy_masters"] == 0
+    [row] = healthy["figures"]["failovers"]
+    assert row["requests_of_healthy_masters"] > 0
+    assert row["errors_of_healthy_masters"] == 0
