@@ -155,6 +155,7 @@ class Metrics:
     admission_waits_total: int = 0
     orphan_settlements_total: int = 0
     heartbeat_lapses_total: int = 0
+    settlements_repaired_total: int = 0
     liveness_errors_total: int = 0
     quota_breaker_open: int = 0
     quota_breaker_opened_total: int = 0
@@ -218,6 +219,8 @@ _SCALARS: tuple[tuple[str, str, str, str], ...] = (
      "Records of dead processors settled by this one."),
     ("heartbeat_lapses_total", "extproc_heartbeat_lapses", "counter",
      "Times this processor found its own heartbeat expired."),
+    ("settlements_repaired_total", "extproc_settlements_repaired", "counter",
+     "Own settlements a Redis failover lost, sent again."),
     ("liveness_errors_total", "extproc_liveness_errors", "counter",
      "Heartbeat, registration or sweep calls that failed."),
     ("quota_breaker_open", "extproc_quota_breaker_open", "gauge",

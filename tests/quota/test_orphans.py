@@ -590,3 +590,46 @@ def test_heartbeat_and_sweep_settings_are_validated_and_normalised() -> None:
     ):
         with pytest.raises(ConfigError, match=field):
             parse_config({**doc, field: bad})
+
+
+async def test_a_settlement_a_failover_lost_is_sent_again_by_its_owners_next_sweep(
+    processors: tuple[RedisQuotaBackend, RedisQuotaBackend], plain_redis: aioredis.Redis
+) -> None:
+    """A master acknowledged a settlement and died before its replica had it: the replica
+    took over with none of its writes (the record open and in the owner's open set, the
+    refund and the ledger entry missing). Simulated on one real Redis by putting back every
+    key of the tenant as it was before the settlement. The owner's sweep finds its own
+    settled record open again and settles it once more, as it was: the bill and the books
+    are the settlement's."""
+    a, _ = processors
+    metrics = Metrics()
+    live = Liveness(a, metrics, heartbeat_ttl_s=30, sweep_interval_s=60)
+    tpm = Counter("tpm", keys.counter_key("lost", "tpm", "m", 3600), 1_000_000, 3600)
+    key = keys.reservation_key("lost", f"req-{next(_ids)}")
+    assert (await a.admit(AdmitRequest(key, (), (tpm,), 100))).admitted
+    assert (await a.reserve(key, 1, (tpm,), 32)).granted == 32
+    tenant_keys = await plain_redis.keys("tq:{lost}:*")
+    before = {k: (await plain_redis.dump(k), await plain_redis.pttl(k)) for k in tenant_keys}
+    settled = await a.settle(key, (tpm,), used=90, output_tokens=40)
+    assert (settled.reserved, settled.used, settled.refunded) == (132, 90, 42)
+    assert not await live.repair_own()  # nothing lost yet: nothing to send again
+
+    for k in set(await plain_redis.keys("tq:{lost}:*")) - set(before):
+        await plain_redis.delete(k)  # the ledger entry (a new stream), and the like
+    for k, (dump, ttl) in before.items():
+        await plain_redis.restore(k, max(ttl, 0), dump, replace=True)
+    open_set = keys.open_set_key(key, a.owner_id)
+    assert await plain_redis.sismember(open_set, key) and not await plain_redis.hget(key, "st")
+    counter_keys = await plain_redis.keys(tpm.key + ":*")
+    assert sum([int(await plain_redis.get(k) or 0) for k in counter_keys]) == 132
+
+    await live.sweep()
+    assert metrics.settlements_repaired_total == 1
+    assert await plain_redis.hget(key, "st") is not None
+    assert not await plain_redis.sismember(open_set, key)
+    assert sum([int(await plain_redis.get(k) or 0) for k in counter_keys]) == 90
+    entries = [f for _, f in await plain_redis.xrange(keys.usage_stream_key(key))]
+    assert [(e["output_tokens"], e["reason"]) for e in entries] == [("40", "completed")]
+    assert int(await plain_redis.get(keys.open_count_key(key)) or 0) == 0
+    # Once: the next sweeps find nothing more of it.
+    assert await live.repair_own() == 0 and metrics.settlements_repaired_total == 1

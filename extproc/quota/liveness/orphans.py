@@ -64,6 +64,12 @@ Background, per processor:
   found empty from the index and, once it is empty, the processor from ``{~p}:procs`` —
   only while the heartbeat is missing, so a processor that comes back keeps its index.
 
+A settlement a failover lost. A master that acknowledged a settlement can die before its
+replica has it (replication is asynchronous): the replica takes over with the record open.
+The Redis backend remembers its settlements of the last ``REPAIRABLE_S``, and each sweep
+looks in this processor's own open sets for one of them and sends it again as it was
+(``repair_own``): one ledger entry, the request's own bill.
+
 Exactly once. Settling checks the record's settled flag in the script: the owner and a
 peer (or two peers) settling the same record concurrently make one settlement and one
 ledger entry; the later one is answered "already settled".
@@ -238,6 +244,10 @@ class OrphanBackend(Protocol):
         self, reservation_key: str, owner_id: str
     ) -> tuple[str, Settlement | None]: ...
 
+    def settled_lately(self, key: str) -> bool: ...
+
+    async def repair_settlement(self, key: str) -> bool: ...
+
 
 def find_orphan_backend(backend: Any) -> OrphanBackend | None:
     """The Redis backend itself, or the one a wrapper (``inner``, ``backend``, …) holds.
@@ -370,11 +380,13 @@ class Liveness:
         return since is not None and self._clock() - since >= self.heartbeat_ttl_s
 
     async def sweep(self) -> int:
-        """One pass: settle the open records of processors whose heartbeat is gone.
+        """One pass: settle again this processor's own settlements a failover lost, then
+        the open records of processors whose heartbeat is gone.
 
-        Returns how many records this pass settled (``already settled`` ones not counted).
-        Does nothing until ``may_sweep``.
+        Returns how many records of dead processors this pass settled (``already settled``
+        ones not counted). Dead processors' records wait until ``may_sweep``.
         """
+        await self.repair_own()
         if not self.may_sweep:
             return 0
         # The backend's client decodes replies (``decode_responses``): members are str.
@@ -395,6 +407,24 @@ class Liveness:
             settled += count
             budget -= taken
         return settled
+
+    async def repair_own(self) -> int:
+        """Records in this processor's own open sets that it settled lately: a master that
+        acknowledged the settlement died before its replica had it (replication is
+        asynchronous), and the replica took over with the record open. Each is settled
+        again as it was (``repair_settlement``). Returns how many were settled now."""
+        repaired = 0
+        for open_set in sorted(self.registrations.known):
+            try:
+                members = cast("set[str]", await self._client.smembers(open_set))
+                for key in sorted(k for k in members if self.backend.settled_lately(k)):
+                    if await self.backend.repair_settlement(key):
+                        repaired += 1
+                        self.metrics.settlements_repaired_total += 1
+                        log.warning("settlement_repaired", request_id=key)
+            except (QuotaUnavailable, RedisError, OSError) as exc:
+                self._skipped(self.processor_id, open_set, exc)
+        return repaired
 
     async def _reconcile(self, pid: str, budget: int) -> tuple[int, int]:
         """Settle a dead processor's open sets, batch by batch: (records settled, keys taken)."""

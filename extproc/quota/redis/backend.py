@@ -46,6 +46,7 @@ import re
 import secrets
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -91,6 +92,12 @@ if TYPE_CHECKING:
     from extproc.quota.liveness.orphans import RedisClient
 
 T = TypeVar("T")
+
+# A settlement is remembered this long, and at most this many (newest kept), to be sent
+# again if a failover loses it: the processor's next sweeps find it open (``orphans``).
+REPAIRABLE_S = 120.0
+REPAIRABLE_MAX = 20_000
+
 # What ``settle_orphan`` found: settled now, settled before (by its owner or a peer), no
 # admitted record (expired or never admitted), or a record another processor admitted.
 OrphanStatus = Literal["settled", "already_settled", "no_record", "not_owned"]
@@ -260,6 +267,11 @@ class RedisQuotaBackend:
         self.clock_offset_s = 0.0
         # Calls sent again because the window keys passed were not the server's current.
         self.window_retries = 0
+        # Settlements made lately, by record key: each one's settle.lua request (its head),
+        # so that one a failover lost (``repair_settlement``) can be sent again as it was.
+        self._settled: OrderedDict[str, tuple[tuple[Counter, ...], list[Any], float]] = (
+            OrderedDict()
+        )
 
     @classmethod
     def from_url(
@@ -514,7 +526,37 @@ class RedisQuotaBackend:
         reply = await self._call("settle", self._scripts.run_script(self._settle, keys, args))
         if reply[0] == 4:
             reply = await self._settle_retry("settle", reservation_key, token_counters, head, reply)
+        self._remember(reservation_key, token_counters, head)
         return _settlement(reply[0], reply[1])
+
+    def _remember(self, key: str, token_counters: tuple[Counter, ...], head: list[Any]) -> None:
+        settled, now = self._settled, time.monotonic()
+        settled[key] = (token_counters, head, now)
+        while settled:
+            first = next(iter(settled.values()))
+            if len(settled) <= REPAIRABLE_MAX and now - first[2] <= REPAIRABLE_S:
+                break
+            settled.popitem(last=False)
+
+    def settled_lately(self, key: str) -> bool:
+        """Did this processor settle the record ``key`` in the last ``REPAIRABLE_S``?"""
+        return key in self._settled
+
+    async def repair_settlement(self, key: str) -> bool:
+        """Send again the settlement of ``key`` this processor made lately, exactly as made
+        (it found the record open again: a Redis failover lost the settlement its master had
+        acknowledged). True when it settled the record now; False when it was settled
+        already, or was not settled here lately. Idempotent like every settlement."""
+        made = self._settled.get(key)
+        if made is None:
+            return False
+        token_counters, head, _ = made
+        now_s = math.floor(time.time() + self.clock_offset_s)
+        keys, args = self._settle_request(key, token_counters, head, now_s)
+        reply = await self._call("settle", self._scripts.run_script(self._settle, keys, args))
+        if reply[0] == 4:
+            reply = await self._settle_retry("settle", key, token_counters, head, reply)
+        return bool(reply[0] == 0)
 
     def _settle_request(
         self, reservation_key: str, token_counters: tuple[Counter, ...], head: list[Any], now_s: int
