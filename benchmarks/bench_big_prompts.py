@@ -68,7 +68,7 @@ from loadlab import wire
 from loadlab.client import TimedStream, chat_request, timed_stream
 from loadlab.figures import fmt, percentile, table, verdict
 from loadlab.gateway import Envoy, Processor, grpc_serving, key_hash, write_config
-from loadlab.procs import ManagedProcess, StopStack, free_port
+from loadlab.procs import ManagedProcess, StopStack, free_port, free_ports
 from loadlab.prompts import text_of_bytes
 from loadlab.redis_server import RedisServer
 from loadlab.rig import BENCH_KEY, BENCH_TENANT, MODEL, MODELS, ROOMY, bootstrap, upstream_sent_at
@@ -473,7 +473,7 @@ def start_envoy_with_sink(
     log_dir: Path, processor_port: int, sim_port: int, sink_port: int, name: str
 ) -> tuple[Envoy, Path]:
     """The project's bootstrap + access log, plus a route on ``x-bench-upstream: sink``."""
-    ports = EnvoyPorts(listen=free_port(), admin=free_port())
+    ports = EnvoyPorts(*free_ports(2))
     access_log = log_dir / f"access-{name}.log"
     doc = bootstrap(ports, processor_port, sim_port, access_log)
     clusters = doc["static_resources"]["clusters"]
@@ -896,7 +896,7 @@ def start_processor(
     name: str, checkout: Path, config_path: Path, log_dir: Path
 ) -> tuple[Processor, Path]:
     """A billing processor running ``checkout``'s code, its loop probed; and the probe's file."""
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     lag_file = log_dir / f"loop-lag-{name}.txt"
     argv = [
         sys.executable, "-c", LAG_PROBE, str(lag_file), "serve", "--config", str(config_path),

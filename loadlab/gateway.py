@@ -21,7 +21,13 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loadlab.metrics import parse_metrics
-from loadlab.procs import ManagedProcess, child_pids_by_metrics_port, free_port, free_port_run
+from loadlab.procs import (
+    ManagedProcess,
+    child_pids_by_metrics_port,
+    free_port,
+    free_port_run,
+    free_ports,
+)
 from stack.envoy import EnvoyPorts, ProcessorHealthCheck, envoy_argv, render_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +110,8 @@ class Processor:
                     grpc_threads,
                 )
             except RuntimeError as exc:
-                taken = "address already in use" in str(exc).lower()
+                text = str(exc).lower()
+                taken = "address already in use" in text or "failed to bind" in text
                 if port is not None or not taken or attempt == PORT_ATTEMPTS - 1:
                     raise
         raise AssertionError("unreachable")
@@ -123,7 +130,10 @@ class Processor:
         loop: str | None,
         grpc_threads: str | None,
     ) -> Processor:
-        port, metrics_port = port or free_port(), free_port()
+        if port is None:
+            port, metrics_port = free_ports(2)
+        else:
+            metrics_port = next(p for p in free_ports(2) if p != port)
         argv = [
             *prefix,
             sys.executable, "-m", "extproc", "serve",
@@ -289,7 +299,7 @@ class Envoy:
         ``stream_per_processor_connection``: each processor connection is retired after one
         stream, so the kernel picks a worker of a ``serve --workers N`` port per stream
         (Envoy otherwise keeps one long-lived HTTP/2 connection per worker thread)."""
-        ports = EnvoyPorts(listen=free_port(), admin=free_port())
+        ports = EnvoyPorts(*free_ports(2))
         config_path = log_dir / f"envoy-{ports.listen}.yaml"
         text = render_bootstrap(
             ports,

@@ -24,7 +24,7 @@ from loadlab.gateway import (
     write_config,
 )
 from loadlab.machine import pinned
-from loadlab.procs import ManagedProcess, free_port
+from loadlab.procs import ManagedProcess, free_port, free_ports
 from stack.envoy import EnvoyPorts, render_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +135,7 @@ def start_envoy(
     log_dir: Path, processor_port: int | None, backend_port: int, name: str
 ) -> tuple[Envoy, Path]:
     """An Envoy in front of ``backend_port``; returns it and its access-log path."""
-    ports = EnvoyPorts(listen=free_port(), admin=free_port())
+    ports = EnvoyPorts(*free_ports(2))
     access_log = log_dir / f"access-{name}.log"
     config_path = log_dir / f"envoy-{name}.yaml"
     config_path.write_text(

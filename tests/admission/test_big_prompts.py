@@ -35,7 +35,7 @@ from loadlab.gateway import (
     wait_until,
     write_config,
 )
-from loadlab.procs import ManagedProcess, free_port
+from loadlab.procs import ManagedProcess, free_ports
 from loadlab.redis_server import RedisServer
 from loadlab.sse_client import StreamResult, stream_http1
 from tests.admission.failing_tokenizer_processor import MARK
@@ -111,7 +111,7 @@ def failing_gateway(
     """The same gateway, its processor's tokenizer failing on texts holding ``MARK``."""
     workdir = tmp_path_factory.mktemp("big-prompts-failing")
     config = write_config(workdir / "quota.yaml", {**DOC, "redis_url": redis_server.url})
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     argv = [
         sys.executable, "-m", "tests.admission.failing_tokenizer_processor", "serve",
         "--config", str(config), "--listen", f"127.0.0.1:{port}",

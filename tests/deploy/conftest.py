@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from loadlab.gateway import Envoy, Processor, wait_until
-from loadlab.procs import free_port
+from loadlab.procs import free_ports
 from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
 from stack.envoy import EnvoyPorts
@@ -151,7 +151,7 @@ def deployed(tmp_path_factory, redis_server: RedisServer) -> Iterator[Deployed]:
                 for _ in range(2)
             ]
         started += processors
-        ports = EnvoyPorts(listen=free_port(), admin=free_port())
+        ports = EnvoyPorts(*free_ports(2))
         config = log_dir / "envoy.yaml"
         config.write_text(loopback_bootstrap(ports, [p.port for p in processors], sim.port))
         envoy = Envoy.launch(config, ports, log_dir / "envoy.log")

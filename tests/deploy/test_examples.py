@@ -19,7 +19,7 @@ import yaml
 
 from extproc.config import load_config
 from loadlab.gateway import Envoy, Processor
-from loadlab.procs import free_port
+from loadlab.procs import free_ports
 from loadlab.simulator import Simulator
 from stack.envoy import EnvoyPorts, ProcessorHealthCheck, render_bootstrap, validate
 
@@ -149,7 +149,7 @@ def test_the_first_tenant_streams_through_the_snippet(tmp_path: Path) -> None:
     processor = envoy = None
     try:
         processor = Processor.start(FIRST, tmp_path, drain_delay_s=0.0)
-        ports = EnvoyPorts(listen=free_port(), admin=free_port())
+        ports = EnvoyPorts(*free_ports(2))
         path = tmp_path / "envoy.yaml"
         doc = minimal_bootstrap(with_processor_port(snippet(), processor.port), ports, sim.port)
         path.write_text(yaml.safe_dump(doc))

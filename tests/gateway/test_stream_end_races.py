@@ -18,7 +18,7 @@ import redis
 from extproc.tokens.prompt import count_prompt_tokens
 from extproc.tokens.registry import TokenizerRegistry
 from loadlab.gateway import Envoy, Processor, wait_until
-from loadlab.procs import free_port
+from loadlab.procs import free_ports
 from loadlab.redis_server import RedisServer
 from loadlab.sse_client import stream_http1
 from stack.envoy import EnvoyPorts, render_bootstrap
@@ -38,7 +38,7 @@ PIECE = " hello"  # one o200k token
 
 def envoy_with_trailers(log_dir: Path, processor_port: int, backend_port: int) -> Envoy:
     """The shipped bootstrap with HTTP/1.1 trailers enabled towards the model server."""
-    ports = EnvoyPorts(listen=free_port(), admin=free_port())
+    ports = EnvoyPorts(*free_ports(2))
     text = render_bootstrap(ports, [processor_port], [backend_port])
     anchor = "  - name: llm_backends\n"
     assert anchor in text

@@ -24,7 +24,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loadlab.gateway import ROOT, Envoy, http_get, wait_until, write_config
-from loadlab.procs import ManagedProcess, free_port
+from loadlab.procs import ManagedProcess, free_ports
 from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
 from stack.envoy import (
@@ -182,7 +182,7 @@ def tls_gateway(d: Path, certs: Certs, redis_server: RedisServer, backend: int):
     secret.swap(*certs.server, certs.ca)
     envoy_secret = MountedSecret(d / "envoy-secret")
     envoy_secret.swap(*certs.client, certs.ca)
-    port, health_port = free_port(), free_port()
+    port, health_port = free_ports(2)
     config = write_config(
         d / "quota.yaml",
         processor_config(
@@ -205,7 +205,7 @@ def tls_gateway(d: Path, certs: Certs, redis_server: RedisServer, backend: int):
     try:
         with tls_channel(port, certs.ca, certs.client) as channel:
             processor.wait_ready(lambda: health(channel) == 1, timeout_s=30)
-        ports = EnvoyPorts(listen=free_port(), admin=free_port())
+        ports = EnvoyPorts(*free_ports(2))
         tls = ProcessorTls(
             ca_file=envoy_secret.path("ca.crt"),
             cert_file=envoy_secret.path("tls.crt"),

@@ -30,7 +30,13 @@ import yaml
 from extproc.app.workers import FIRST_RESTART_DELAY_S, MAX_QUICK_DEATHS, MAX_RESTART_DELAY_S
 from loadlab.gateway import ROOT, Envoy, grpc_serving, http_get, wait_until
 from loadlab.metrics import parse_metrics
-from loadlab.procs import ManagedProcess, child_pids_by_metrics_port, free_port, free_port_run
+from loadlab.procs import (
+    ManagedProcess,
+    child_pids_by_metrics_port,
+    free_port,
+    free_port_run,
+    free_ports,
+)
 from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
 from stack.envoy import EnvoyPorts, render_bootstrap
@@ -120,7 +126,7 @@ def start_workers(config: Path, log_dir: Path, *extra: str) -> Workers:
 def start_envoy_one_endpoint(log_dir: Path, processor_port: int, backends: list[int]) -> Envoy:
     """The shipped bootstrap with ONE processor endpoint, each processor connection retired
     after one stream so the kernel picks a worker per stream."""
-    ports = EnvoyPorts(listen=free_port(), admin=free_port())
+    ports = EnvoyPorts(*free_ports(2))
     doc = yaml.safe_load(render_bootstrap(ports, [processor_port], backends))
     cluster = next(c for c in doc["static_resources"]["clusters"] if c["name"] == "quota_extproc")
     options = cluster["typed_extension_protocol_options"][HTTP_OPTIONS]

@@ -18,7 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from loadlab.gateway import Processor, grpc_serving
-from loadlab.procs import ManagedProcess, free_port
+from loadlab.procs import ManagedProcess, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMITTED = 200
@@ -35,7 +35,7 @@ def start_processor(
     """``extproc serve`` on free ports, logging at info (``config_reloaded`` lines); no
     overrides but the addresses, so its hash is ``check-config``'s (set ``drain_delay_s: 0``
     in the file for a quick stop)."""
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     argv = [
         sys.executable, "-m", "extproc", "serve",
         "--config", str(config_path),
