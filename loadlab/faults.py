@@ -179,7 +179,6 @@ class ChaosParts:
         self.tenants = [tenant_name(i) for i in range(scenario.tenants)]
         self.tenant_master: dict[str, int] = {}  # tenant → master index (a cluster)
         self.masters: list[int] = []  # master ports in slot order, as at the start
-        self.shards: dict[int, list[int]] = {}  # master port → its replicas', at the start
         self.shard_nodes: list[list[int]] = []  # each shard's nodes, the master now first
         self.sim: Simulator | None = None
         self.processors: list[Processor | Supervisor | None] = []
@@ -258,9 +257,8 @@ class ChaosParts:
         for node in self.cluster.nodes:
             self._keep(node.process)
         self.cluster.wait_replicas_synced()
-        self.shards = self.cluster.topology()
         with self._lock:
-            self.shard_nodes = [[m, *r] for m, r in sorted(self.shards.items())]
+            self.shard_nodes = [[m, *r] for m, r in sorted(self.cluster.topology().items())]
         by_port = self.cluster.tenants_on_masters(
             per_master=-(-s.tenants // s.masters), stem="chaos-"
         )

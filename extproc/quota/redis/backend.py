@@ -551,11 +551,7 @@ class RedisQuotaBackend:
         if made is None:
             return False
         token_counters, head, _ = made
-        now_s = math.floor(time.time() + self.clock_offset_s)
-        keys, args = self._settle_request(key, token_counters, head, now_s)
-        reply = await self._call("settle", self._scripts.run_script(self._settle, keys, args))
-        if reply[0] == 4:
-            reply = await self._settle_retry("settle", key, token_counters, head, reply)
+        reply = await self._send_settle("settle", key, token_counters, head)
         return bool(reply[0] == 0)
 
     def _settle_request(
@@ -606,6 +602,18 @@ class RedisQuotaBackend:
         owner_id: str | None = None,
     ) -> tuple[Any, str]:
         head = [used, mode, tombstone_ttl_s, owner_id or self.owner_id, reason, -1, 0]
+        reply = await self._send_settle(operation, reservation_key, token_counters, head)
+        return reply[0], reply[1]
+
+    async def _send_settle(
+        self,
+        operation: str,
+        reservation_key: str,
+        token_counters: tuple[Counter, ...],
+        head: list[Any],
+    ) -> Any:
+        """settle.lua with ``head``, for the windows current now (again with the server's
+        time after a "wrong window" reply)."""
         now_s = math.floor(time.time() + self.clock_offset_s)
         keys, args = self._settle_request(reservation_key, token_counters, head, now_s)
         reply = await self._call(operation, self._scripts.run_script(self._settle, keys, args))
@@ -613,7 +621,7 @@ class RedisQuotaBackend:
             reply = await self._settle_retry(
                 operation, reservation_key, token_counters, head, reply
             )
-        return reply[0], reply[1]
+        return reply
 
     async def cancel(
         self,
