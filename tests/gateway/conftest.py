@@ -18,6 +18,7 @@ from loadlab.gateway import key_hash, write_config
 from loadlab.redis_server import RedisServer
 from loadlab.simulator import Simulator
 from tests.support import boundary
+from tests.support.scripted_upstream import ScriptedUpstream
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST_PROFILE = ROOT / "simulator_profiles" / "fast.yaml"
@@ -87,3 +88,11 @@ def counter_value(
     window = 86400 if kind == "daily" else window_s
     prefix = keys.counter_key(tenant, kind, model, window)  # type: ignore[arg-type]
     return sum(int(client.get(k) or 0) for k in client.scan_iter(match=prefix + ":*"))
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[ScriptedUpstream]:
+    """A scripted upstream of the module's own (tests set its ``reply``)."""
+    server = ScriptedUpstream()
+    yield server
+    server.stop()

@@ -25,6 +25,7 @@ from loadlab.gateway import Gateway, Processor, start_gateway, wait_until
 from loadlab.redis_server import RedisServer
 from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import WINDOW_S, tenant_key, write_processor_config
+from tests.gateway.test_admission_leases import blocks, metric
 from tests.gateway.test_upstream_integrity import (
     MESSAGES,
     MODELS,
@@ -58,13 +59,6 @@ ATTEMPTS = 5  # a block returned (idle) before the request came is taken again
 
 
 @pytest.fixture(scope="module")
-def upstream() -> Iterator[ScriptedUpstream]:
-    server = ScriptedUpstream()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def gateway(
     tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, upstream: ScriptedUpstream
 ) -> Iterator[Gateway]:
@@ -80,14 +74,6 @@ def gateway(
     gw = start_gateway(config, workdir, [upstream.port])
     yield gw
     gw.stop()
-
-
-def metric(processor: Processor, name: str) -> float:
-    return processor.metrics().get(name, 0.0)
-
-
-def blocks(processor: Processor, result: str) -> float:
-    return metric(processor, f'extproc_admission_blocks_total{{result="{result}"}}')
 
 
 def honest(_: Any) -> Reply:

@@ -250,6 +250,7 @@ def gateway(
 
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[ScriptedUpstream]:
+    """This module's own upstream (its modes by header), not conftest's scripted one."""
     server = ScriptedUpstream()
     yield server
     server.stop()

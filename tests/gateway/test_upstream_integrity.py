@@ -105,13 +105,6 @@ TENANTS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def upstream() -> Iterator[ScriptedUpstream]:
-    server = ScriptedUpstream()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def gateway(
     tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, upstream: ScriptedUpstream
 ) -> Iterator[Gateway]:
