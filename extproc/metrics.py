@@ -156,6 +156,7 @@ class Metrics:
     orphan_settlements_total: int = 0
     heartbeat_lapses_total: int = 0
     settlements_repaired_total: int = 0
+    lost_admissions_charged_total: int = 0
     liveness_errors_total: int = 0
     quota_breaker_open: int = 0
     quota_breaker_opened_total: int = 0
@@ -221,6 +222,8 @@ _SCALARS: tuple[tuple[str, str, str, str], ...] = (
      "Times this processor found its own heartbeat expired."),
     ("settlements_repaired_total", "extproc_settlements_repaired", "counter",
      "Own settlements a Redis failover lost, sent again."),
+    ("lost_admissions_charged_total", "extproc_lost_admissions_charged", "counter",
+     "Settlements that found no record of their admission (lost by Redis) and charged all used."),
     ("liveness_errors_total", "extproc_liveness_errors", "counter",
      "Heartbeat, registration or sweep calls that failed."),
     ("quota_breaker_open", "extproc_quota_breaker_open", "gauge",

@@ -163,6 +163,7 @@ class AdmissionBlocks:
         self._blocks: dict[Ident, _Held] = {}
         self._taking: dict[Ident, float] = {}  # taking now (inf) or cooling down until
         self._records: dict[str, asyncio.Task[Verdict]] = {}
+        self._unrecorded: set[str] = set()  # admitted from a block whose move was given up
         self._reaper: asyncio.Task[None] | None = None
         self._returning: set[asyncio.Task[None]] = set()
 
@@ -308,6 +309,7 @@ class AdmissionBlocks:
                 verdict = await until_answered(record, failed)
             except NoAnswer:
                 block.poisoned = True
+                self._unrecorded.add(request.reservation_key)  # the block covers its usage
                 self.metrics.settle_errors_total += 1
                 log.error(
                     "block_record_failed", block=block.key, request_id=request.reservation_key
@@ -433,8 +435,14 @@ class AdmissionBlocks:
         reason: SettleReason = "completed",
         output_tokens: int | None = None,
         cached_tokens: int = 0,
+        seen_admitted: bool = False,
     ) -> Settlement:
         await self._recorded(reservation_key)
+        if reservation_key in self._unrecorded:
+            # Admitted from a block whose move never got through: no record was made, and
+            # the poisoned block stays charged for it, so nothing more is charged.
+            self._unrecorded.discard(reservation_key)
+            seen_admitted = False
         return await self.inner.settle(
             reservation_key,
             token_counters,
@@ -442,6 +450,7 @@ class AdmissionBlocks:
             reason=reason,
             output_tokens=output_tokens,
             cached_tokens=cached_tokens,
+            seen_admitted=seen_admitted,
         )
 
     async def cancel(

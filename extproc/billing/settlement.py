@@ -151,6 +151,7 @@ class Settlement:
                 reason=ledger_reason,
                 output_tokens=output,
                 cached_tokens=self.cached_input,
+                seen_admitted=True,
             )
         except Exception as exc:
             metrics.settle_errors_total += 1
@@ -166,6 +167,9 @@ class Settlement:
             metrics.observe("backend", ("settle",), loop.time() - started)
         if settlement.already_settled:
             metrics.replays["settle"] += 1
+        if settlement.record_lost:
+            metrics.lost_admissions_charged_total += 1
+            log.warning("admission_record_lost", request_id=self._rid, used=used)
         metrics.tokens_refunded[labels] += settlement.refunded
         if span is not None:
             span.set_attributes(

@@ -363,6 +363,9 @@ class Settlement:
     # Not applied yet: the backend is unavailable and the call waits in a local queue, to be
     # applied (it is idempotent on its key) when the backend returns.
     queued: bool = False
+    # Settled with ``seen_admitted`` and no record found: the backend lost the admission
+    # (a failover, a restart), so ``used`` was charged in full now.
+    record_lost: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,7 +442,16 @@ class QuotaBackend(Protocol):
         reason: SettleReason = "completed",
         output_tokens: int | None = None,
         cached_tokens: int = 0,
-    ) -> Settlement: ...
+        seen_admitted: bool = False,
+    ) -> Settlement:
+        """Commit ``used`` and refund the rest of the reservation, once.
+
+        ``seen_admitted``: the caller saw this request's admission answered. A record then
+        missing was lost by the backend with its charges, so ``used`` is charged in full
+        (``Settlement.record_lost``). Without it a missing record charges nothing: a replay
+        long after the settled record expired must not charge twice.
+        """
+        ...
 
     async def cancel(
         self,

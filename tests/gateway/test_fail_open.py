@@ -30,6 +30,7 @@ from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import WINDOW_S, counter_value, tenant_key, write_processor_config
 from tests.gateway.test_stream_end_races import MESSAGES, PIECE, PROMPT
 from tests.quota.test_resilient import TcpProxy
+from tests.support.quota_views import ledger, live_books
 from tests.support.raw_upstream import RawUpstream
 from tests.support.scripted_upstream import chat_stream
 
@@ -39,6 +40,11 @@ CLOSED = {"window_s": WINDOW_S, "limits": LIMITS}
 BREAKER = {"failures": 3, "probe_interval_ms": 100}
 # Long streams: a model whose limit does not clamp what the scripted upstream sends.
 BIG_MODEL = {"gpt-4.1": {"tokenizer": "o200k_base", "max_tokens": 4096}}
+
+
+def lost_used(client: redis.Redis, tenant: str) -> int:
+    """Tokens charged by settlements of admissions Redis lost (their entries have no plan)."""
+    return sum(int(e["used"]) for e in ledger(client, tenant) if not e["plan"])
 
 
 def records(client: redis.Redis, tenant: str) -> list[dict[str, str]]:
@@ -198,20 +204,30 @@ def test_redis_killed_under_load_leaves_fail_open_plans_serving_and_reconciled(
                 f"connections to Redis; reconciled {final['extproc_reconciled_tokens_total']:.0f}"
                 f" tokens (clients were served {served_open})"
             )
-            # Redis came back empty: its counters hold exactly what was served meanwhile.
-            assert counter_value(client, "open", "tpm", "gpt-4.1") == served_open
+            # Redis came back empty: its counters hold exactly what was served meanwhile,
+            # and what requests Redis had admitted before it died used (their settlements,
+            # queued, found no record: each charged in full, its ledger entry without the
+            # plan the lost record held). Counters == ledger for both plans.
+            lost = {t: lost_used(client, t) for t in ("open", "closed")}
+            assert counter_value(client, "open", "tpm", "gpt-4.1") == served_open + lost["open"]
             assert final["extproc_reconciled_tokens_total"] == served_open
+            assert counter_value(client, "closed", "tpm", "gpt-4.1") == lost["closed"]
+            for tenant in ("open", "closed"):
+                counters, listed = live_books(client, tenant, "tpm")
+                assert counters == listed
+            assert final["extproc_lost_admissions_charged_total"] == sum(
+                1 for t in ("open", "closed") for e in ledger(client, t) if not e["plan"]
+            )
             # RPM is absorbed for local admissions Redis never saw (those whose Redis call
             # failed before the breaker opened were cancelled there instead).
             assert 1 <= counter_value(client, "open", "rpm", "gpt-4.1") <= 10
-            assert counter_value(client, "closed", "tpm", "gpt-4.1") == 0
             assert counter_value(client, "closed", "rpm", "gpt-4.1") == 0
 
             # Service is back on Redis, and the reconciled charges are not counted twice.
             rpm = counter_value(client, "open", "rpm", "gpt-4.1")
             again = asyncio.run(stream_http1(url, tenant_key("open"), payload))
             assert again.status == 200 and by_redis(again)
-            expected = served_open + served(again)
+            expected = served_open + lost["open"] + served(again)
             assert wait_until(
                 lambda: counter_value(client, "open", "tpm", "gpt-4.1") == expected, 10
             )

@@ -91,6 +91,7 @@ TENANTS: dict[str, dict[str, Any]] = {
     "completions-limit": ROOMY,
     "error-event": ROOMY,
     "close-after-done": ROOMY,
+    "lost-admission": ROOMY,
     # docs/limits.md's roll-out example: an enforced limit and a shadow one of the same window.
     "rollout": {
         "window_s": WINDOW_S,
@@ -638,3 +639,46 @@ def test_a_client_closing_right_after_done_is_settled_completed(
     )
     got, billed, reason = check_billed(redis_client, "close-after-done", body)
     assert got == 119 == billed and reason == "completed"
+
+
+# -- an admission Redis lost (a failover, a restart) while the stream was on -----------------
+
+
+def test_an_admission_redis_lost_mid_stream_is_charged_at_its_settlement(
+    gateway: Gateway, upstream: ScriptedUpstream, redis_client: redis.Redis
+) -> None:
+    """Redis acknowledged the admission, then lost it with its charges (a replica promoted
+    before it had the writes): made here by putting the tenant's keys back as they were
+    before the request, while the upstream holds the stream. The next lease finds no
+    record, so the stream is cut; the settlement finds none either and charges what was
+    used, with its ledger entry, instead of nothing."""
+    tenant = "lost-admission"
+    pattern = f"tq:{{{tenant}}}:*"
+    before = {
+        k: (redis_client.dump(k), redis_client.pttl(k))
+        for k in redis_client.scan_iter(match=pattern)
+    }
+    lost_before = gateway.processors[0].metrics().get("extproc_lost_admissions_charged_total", 0)
+    release = threading.Event()
+    upstream.reply = lambda _: Reply(
+        headers=SSE, chunks=content_stream(180), hold_at=4, release=release
+    )
+    answers: list[StreamResult] = []
+    client = threading.Thread(target=lambda: answers.append(run(gateway, tenant, stream=True)))
+    client.start()
+    try:
+        recorded = lambda: any(redis_client.scan_iter(match=f"tq:{{{tenant}}}:r:*"))  # noqa: E731
+        assert wait_until(recorded, timeout_s=10)
+        for k in set(redis_client.scan_iter(match=pattern)) - set(before):
+            redis_client.delete(k)
+        for k, (dump, ttl) in before.items():
+            redis_client.restore(k, max(ttl, 0), dump, replace=True)
+    finally:
+        release.set()
+        client.join(30)
+    [result] = answers
+    assert result.status == 200
+    got, billed, reason = check_billed(redis_client, tenant, result.body)
+    assert got < 180 and reason == "cutoff", (got, billed, reason)
+    lost = gateway.processors[0].metrics()["extproc_lost_admissions_charged_total"]
+    assert lost == lost_before + 1

@@ -526,6 +526,7 @@ class MemoryQuotaBackend:
         reason: SettleReason = "completed",
         output_tokens: int | None = None,
         cached_tokens: int = 0,
+        seen_admitted: bool = False,
     ) -> Settlement:
         windows.check_settle(used, token_counters)
         windows.check_reason(reason, output_tokens, used)
@@ -534,12 +535,18 @@ class MemoryQuotaBackend:
         self._unlist(reservation_key, self.owner_id)
         if record is not None and record.settlement is not None:
             return self._already_settled(record.settlement)
+        lost = record is None and seen_admitted
+        if lost:  # settle.lua's seen mode: the admission's record and charges were lost
+            expires_at = now + self.settled_ttl_s
+            record = _Record(admitted=True, refused_by=None, verdict=(), expires_at=expires_at)
+            self._records[reservation_key] = record
         if record is None or not record.admitted:
             zeros = tuple(0 for _ in token_counters)
             return Settlement(reserved=0, used=used, refunded=0, refunded_per_counter=zeros)
-        record.settlement = self._settle(
+        settlement = self._settle(
             record, token_counters, used, output_tokens, cached_tokens, now, now_s
         )
+        record.settlement = dataclasses.replace(settlement, record_lost=lost)
         self._append(reservation_key, record, reason, output_tokens, now)
         # settle.lua: EXPIRE settled_ttl_s unless the record would expire sooner.
         record.expires_at = min(record.expires_at, now + self.settled_ttl_s)

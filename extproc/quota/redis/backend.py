@@ -107,7 +107,8 @@ _ORPHAN_STATUS: dict[int, OrphanStatus] = {
     2: "no_record",
     3: "not_owned",
 }
-_MODE_SETTLE, _MODE_CANCEL, _MODE_ORPHAN, _MODE_RETURN = 0, 1, 2, 3
+_MODE_SETTLE, _MODE_CANCEL, _MODE_ORPHAN, _MODE_RETURN, _MODE_SETTLE_SEEN = 0, 1, 2, 3, 4
+_LOST_RECORD = 5  # settle.lua: settled in seen mode without a record (charged in full)
 # A script finding a passed window start that is not its server's current one charges
 # nothing and says so; the call is retried with the server's clock at most this often.
 WINDOW_RETRIES = 2
@@ -215,14 +216,15 @@ def _parse_verdict(verdict: str, now: float, replayed: bool, cancelled: bool) ->
     )
 
 
-def _settlement(already: Any, summary: str) -> Settlement:
+def _settlement(status: Any, summary: str) -> Settlement:
     reserved, used_recorded, *refunds = (int(x) for x in summary.split(","))
     return Settlement(
         reserved=reserved,
         used=used_recorded,
         refunded=refunds[0] if refunds else 0,
-        already_settled=bool(already),
+        already_settled=status == 1,
         refunded_per_counter=tuple(refunds),
+        record_lost=status == _LOST_RECORD,
     )
 
 
@@ -515,11 +517,13 @@ class RedisQuotaBackend:
         reason: SettleReason = "completed",
         output_tokens: int | None = None,
         cached_tokens: int = 0,
+        seen_admitted: bool = False,
     ) -> Settlement:
         windows.check_settle(used, token_counters)
         windows.check_reason(reason, output_tokens, used)
+        mode = _MODE_SETTLE_SEEN if seen_admitted else _MODE_SETTLE
         # _run_settle inlined: the hot path's one round trip without another coroutine.
-        head = [used, _MODE_SETTLE, RECORD_TTL_S, self.owner_id, reason,
+        head = [used, mode, RECORD_TTL_S, self.owner_id, reason,
                 -1 if output_tokens is None else output_tokens, cached_tokens]  # fmt: skip
         now_s = math.floor(time.time() + self.clock_offset_s)
         keys, args = self._settle_request(reservation_key, token_counters, head, now_s)
@@ -552,7 +556,7 @@ class RedisQuotaBackend:
             return False
         token_counters, head, _ = made
         reply = await self._send_settle("settle", key, token_counters, head)
-        return bool(reply[0] == 0)
+        return bool(reply[0] in (0, _LOST_RECORD))
 
     def _settle_request(
         self, reservation_key: str, token_counters: tuple[Counter, ...], head: list[Any], now_s: int
@@ -661,7 +665,7 @@ class RedisQuotaBackend:
         )
         status = _ORPHAN_STATUS[int(code)]
         if status in ("settled", "already_settled"):
-            return status, _settlement(status == "already_settled", summary)
+            return status, _settlement(int(code), summary)
         return status, None
 
     # -- admission blocks (base.py): admit.lua's take and from modes, settle.lua's return --

@@ -245,13 +245,20 @@ class ResilientQuotaBackend:
         reason: SettleReason = "completed",
         output_tokens: int | None = None,
         cached_tokens: int = 0,
+        seen_admitted: bool = False,
     ) -> Settlement:
         windows.check_settle(used, token_counters)
         windows.check_reason(reason, output_tokens, used)
         tracked = self.allowance.tracked.pop(reservation_key, None)
         if tracked is None or not tracked.local_record:
             return await self._settle_remote(
-                reservation_key, token_counters, used, reason, output_tokens, cached_tokens
+                reservation_key,
+                token_counters,
+                used,
+                reason,
+                output_tokens,
+                cached_tokens,
+                seen_admitted,
             )
         # Redis reserved the oldest part of the request, so it takes the oldest usage.
         used_remote = 0 if tracked.local else min(used, tracked.redis_reserved)
@@ -275,7 +282,7 @@ class ResilientQuotaBackend:
             )
         # Two ledger entries for this request: Redis's part here, the absorbed one on its own.
         remote = await self._settle_remote(
-            reservation_key, token_counters, used_remote, reason, remote_output
+            reservation_key, token_counters, used_remote, reason, remote_output, 0, seen_admitted
         )
         return Settlement(
             reserved=remote.reserved + local.reserved,
@@ -294,6 +301,7 @@ class ResilientQuotaBackend:
         reason: SettleReason = "completed",
         output_tokens: int | None = None,
         cached_tokens: int = 0,
+        seen_admitted: bool = False,
     ) -> Settlement:
         try:
             return await self.breakers.guarded(
@@ -305,12 +313,14 @@ class ResilientQuotaBackend:
                     reason=reason,
                     output_tokens=output_tokens,
                     cached_tokens=cached_tokens,
+                    seen_admitted=seen_admitted,
                 ),
             )
         except QuotaUnavailable as exc:
             op = Op("settle", key, token_counters, used=used, reason=reason)
             op.output_tokens = output_tokens
             op.cached_tokens = cached_tokens
+            op.seen_admitted = seen_admitted
             queued = self.queue.put(op)
             if queued:
                 log.info("settle_queued", request_id=key, used=used, error=repr(exc))

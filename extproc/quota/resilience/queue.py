@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import structlog
@@ -22,6 +23,7 @@ import structlog
 from extproc.metrics import Metrics
 from extproc.quota.base import (
     RECORD_TTL_S,
+    SETTLED_TTL_S,
     Absorption,
     Counter,
     QuotaBackend,
@@ -34,6 +36,7 @@ log = structlog.get_logger("extproc.quota.resilient")
 
 DRAIN_BATCH = 32  # queued calls applied concurrently
 MAX_OP_ATTEMPTS = 100  # failed tries (breaker closed) before a queued call is given up
+SEEN_RETRY_S = SETTLED_TTL_S - 30.0  # a queued settle charges a lost record until then
 
 OpKind = Literal["settle", "cancel", "absorb"]
 
@@ -49,10 +52,14 @@ class Op:
     reason: SettleReason = "completed"  # settle: for the usage ledger
     output_tokens: int | None = None  # settle
     cached_tokens: int = 0  # settle
+    # settle: the admission was seen answered (``QuotaBackend.settle``); kept while a retry
+    # could not be a replay of a first try whose settled record has expired since.
+    seen_admitted: bool = False
     ttl_s: int = RECORD_TTL_S  # cancel: tombstone lifetime
     absorption: Absorption | None = None  # absorb
     tokens: int = 0  # absorb: tokens served locally
     attempts: int = 0
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 class RetryQueue:
@@ -110,7 +117,10 @@ class RetryQueue:
     async def _apply(self, op: Op) -> None:
         backend, guarded = self.backend, self.breakers.guarded
         if op.kind == "settle":
-            await guarded(
+            # A first try may have been applied before its answer was lost; its settled
+            # record answers a retry only while it lives (SETTLED_TTL_S from that try).
+            seen = op.seen_admitted and time.monotonic() - op.queued_at < SEEN_RETRY_S
+            settled = await guarded(
                 op.key,
                 lambda: backend.settle(
                     op.key,
@@ -119,8 +129,12 @@ class RetryQueue:
                     reason=op.reason,
                     output_tokens=op.output_tokens,
                     cached_tokens=op.cached_tokens,
+                    seen_admitted=seen,
                 ),
             )
+            if settled.record_lost:
+                self.metrics.lost_admissions_charged_total += 1
+                log.warning("admission_record_lost", request_id=op.key, used=op.used)
         elif op.kind == "cancel":
             await guarded(op.key, lambda: backend.cancel(op.key, op.counters, op.ttl_s))
         elif op.absorption is not None:

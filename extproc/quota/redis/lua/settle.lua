@@ -7,7 +7,7 @@
 -- KEYS[n+2]    the tenant's count of admitted, unsettled requests (decremented here)
 -- KEYS[n+3]    the tenant's usage ledger (a Stream)
 -- KEYS[n+4]    the tenant's set of records the owner (ARGV owner) holds open
--- ARGV         used, mode (0 settle | 1 cancel | 2 orphan | 3 return), tombstone_ttl_s,
+-- ARGV         used, mode (0 settle | 1 cancel | 2 orphan | 3 return | 4 settle seen), tombstone_ttl_s,
 --              owner, reason, output_tokens (-1: not given), cached_tokens, then shape
 --              (f|s), a, b, input, output and cached input weights per counter, then
 --              (return mode) n_request: the request counters, last of the n
@@ -16,7 +16,8 @@
 --              ledger.lua, prepended by it (fewer arguments to pack per call)
 -- Reply        {status, summary[, now_s, now_us]}: status 0 settled now, 1 already settled
 --              (first summary), 2 no admitted record (orphan mode only), 3 another owner's
---              (orphan mode only), 4 wrong window (nothing done; TIME follows)
+--              (orphan mode only), 4 wrong window (nothing done; TIME follows), 5 settled
+--              now without a record (seen mode only)
 --              summary = "reserved,used,refunded_1,...,refunded_n" (one per counter)
 --
 -- Per counter, what the request used is weighed like its charges (prompt less cached input
@@ -31,6 +32,13 @@
 -- admission charges nothing; without any record it writes a tombstone (settled and
 -- cancelled) that lives tombstone_ttl_s, for an admission still queued somewhere. A
 -- cancelled record keeps its TTL for the same reason.
+--
+-- Seen mode settles a request whose admission the caller saw answered. Without any record
+-- (not even a tombstone), Redis lost the admission after it was acknowledged (a failover,
+-- a restart without persistence): its charges went with it, so what was used is charged
+-- now, in the current windows, with a ledger entry (status 5). Plain settle mode charges
+-- nothing there: a late replay of a settlement whose settled record expired would charge
+-- twice.
 --
 -- Orphan mode settles the record of a processor that died (its heartbeat expired) with
 -- used = what it had reserved: nothing is refunded, nothing more charged (call it with no
@@ -91,7 +99,8 @@ if orphan then
   used = tonumber(rec['res'] or '0')
 end
 local parts = {}
-if not rec['v'] or string.sub(rec['v'], 1, 1) ~= '1' then
+local lost = mode == '4' and not rec['v']
+if not lost and (not rec['v'] or string.sub(rec['v'], 1, 1) ~= '1') then
   parts = {'0', int(used)}
   for _ = 1, n_tok do parts[#parts + 1] = '0' end
   local summary = table.concat(parts, ',')
@@ -163,7 +172,7 @@ for i = n_tok + 1, n do  -- return mode: the block's unused request slots
 end
 
 local summary = table.concat(parts, ',')
-if redis.call('DECR', open_key) <= 0 then
+if not lost and redis.call('DECR', open_key) <= 0 then  -- a lost admission's INCR went too
   redis.call('DEL', open_key)  -- nobody open: no key (and no drift below zero)
 end
 if cancel then
@@ -210,4 +219,4 @@ if LEDGER then
     redis.call('XTRIM', stream, 'MINID', '~', string.format('%d', id_ms - RETENTION_MS))
   end
 end
-return done({0, summary})
+return done({lost and 5 or 0, summary})
