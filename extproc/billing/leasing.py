@@ -155,6 +155,13 @@ class Leasing:
             self.refusals += 1
             self.retry_due = True
             metrics.lease_batches[(*self._labels, "deferred")] += 1
+        elif not grant.states:
+            # No counter was read: the backend holds no open record of this request (Redis
+            # lost the admission). The backend failed, not the budget; settlement charges it.
+            log.error("lease_record_lost", request_id=self._rid)
+            self.exhausted = True
+            self.exhausted_code = "quota_unavailable"
+            metrics.lease_batches[(*self._labels, "failed")] += 1
         else:
             self.exhausted = True
             metrics.lease_batches[(*self._labels, "refused")] += 1

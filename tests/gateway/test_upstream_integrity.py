@@ -680,5 +680,6 @@ def test_an_admission_redis_lost_mid_stream_is_charged_at_its_settlement(
     assert result.status == 200
     got, billed, reason = check_billed(redis_client, tenant, result.body)
     assert got < 180 and reason == "cutoff", (got, billed, reason)
+    assert b'"code":"quota_unavailable"' in result.body  # the backend failed, not the budget
     lost = gateway.processors[0].metrics()["extproc_lost_admissions_charged_total"]
     assert lost == lost_before + 1
