@@ -165,3 +165,48 @@ async def test_a_block_lives_like_a_record_and_once_returned_like_a_settled_one(
     lost = block_key("acme", owner, next(_ids))
     await harness.backend.return_block(lost, (), (tpm,), tombstone_ttl_s=600)
     assert SETTLED_TTL_S < await record_ttl(harness, lost) <= 600
+
+
+async def shorten_life(harness: Harness, key: str, left_s: float) -> None:
+    """Bring the record of ``key`` to ``left_s`` seconds of life, as if time had passed."""
+    if isinstance(harness, MemoryHarness):
+        ttl = harness.memory.record_ttl(key)
+        assert ttl is not None
+        harness.clock.now += ttl - left_s
+        return
+    assert isinstance(harness, RedisHarness)
+    assert await harness.plain.pexpire(key, int(left_s * 1000))
+
+
+async def test_a_stream_that_outlives_its_record_lifetime_is_settled_once_at_its_use(
+    harness: Harness,
+) -> None:
+    # Only the memory backend's clock moves on (150 s): the window must hold all of it.
+    await harness.ensure_room(HOUR, 160 if isinstance(harness, MemoryHarness) else 5)
+    tpm = counter("tpm", 100_000)
+    request = dataclasses.replace(admit_request(None, (tpm,), 100), record_ttl_s=30)
+    assert (await harness.backend.admit(request)).admitted
+    # Each lease comes when the record has 5 of its 30 seconds left: six leases span 150 s,
+    # five lifetimes, and each grant renews the record.
+    for seq in range(1, 7):
+        await shorten_life(harness, request.reservation_key, 5)
+        grant = await harness.backend.reserve(request.reservation_key, seq, (tpm,), 32)
+        assert grant.granted == 32 and grant.states
+        assert 25 < await record_ttl(harness, request.reservation_key) <= 30
+
+    settlement = await harness.backend.settle(
+        request.reservation_key, (tpm,), used=250, seen_admitted=True
+    )
+    assert not settlement.record_lost and not settlement.already_settled
+    assert (settlement.reserved, settlement.used, settlement.refunded) == (292, 250, 42)
+    assert await harness.total(tpm) == 250
+
+
+async def test_a_refused_lease_does_not_renew_a_record(harness: Harness) -> None:
+    await harness.ensure_room(HOUR, 5)
+    tpm = counter("tpm", 120)
+    request = dataclasses.replace(admit_request(None, (tpm,), 100), record_ttl_s=30)
+    assert (await harness.backend.admit(request)).admitted
+    await shorten_life(harness, request.reservation_key, 5)
+    assert (await harness.backend.reserve(request.reservation_key, 1, (tpm,), 32, 32)).granted == 0
+    assert 0 < await record_ttl(harness, request.reservation_key) <= 5

@@ -57,6 +57,7 @@ class _Record:
     # First verdict as (kind, limit, value, reset_at, retry_at or None), replayed verbatim.
     verdict: tuple[tuple[CounterKind, int, int, int, int | None], ...]
     expires_at: float
+    lifetime_s: int = 0  # 'tl': an open record's lifetime, renewed by each granted lease
     reserved: int = 0
     charged: dict[str, int] = field(default_factory=dict)  # window key -> tokens
     grants: dict[int, int] = field(default_factory=dict)  # seq -> tokens
@@ -338,6 +339,7 @@ class MemoryQuotaBackend:
             refused_by=refused_by,
             verdict=(),
             expires_at=now_s + request.record_ttl_s,
+            lifetime_s=request.record_ttl_s if admitted else 0,
             shadow_refused_by=tuple(would) if admitted else (),
         )
         if block is not None and moves is not None:
@@ -502,6 +504,8 @@ class MemoryQuotaBackend:
                 record.charged[key] = record.charged.get(key, 0) + granted * c.weights[1]
         record.reserved += granted
         record.grants[seq] = granted
+        if record.lifetime_s > 0:
+            record.expires_at = now_s + record.lifetime_s
         return Grant(granted=granted, states=states(), shadow_cut_by=tuple(would))
 
     def _others_open(self, reservation_key: str, now: float) -> int:

@@ -193,8 +193,9 @@ if admitted then
       end
     end
   end
+  -- 'tl': the open record's lifetime, renewed by each granted lease (reserve.lua)
   local more = {'res', reserved, 'pl', ARGV[8], 'md', ARGV[9], 'cr', ARGV[10],
-    'pt', ARGV[11], 'at', t[1] .. string.format('%06d', tonumber(t[2]))}
+    'pt', ARGV[11], 'at', t[1] .. string.format('%06d', tonumber(t[2])), 'tl', record_ttl}
   for _, x in ipairs(more) do record[#record + 1] = x end
   if owner ~= '' then
     record[#record + 1] = 'o'

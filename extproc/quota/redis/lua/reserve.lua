@@ -93,4 +93,8 @@ for i = 1, n do
 end
 redis.call('HINCRBY', rkey, 'res', granted)
 redis.call('HSET', rkey, seq_field, granted)
+-- A stream that outlives its record's lifetime is still open: each grant renews it, or the
+-- record would expire mid-stream and its settlement charge the stream a second time.
+local lifetime = tonumber(redis.call('HGET', rkey, 'tl') or '0')
+if lifetime > 0 then redis.call('EXPIRE', rkey, lifetime) end
 return reply('granted', granted, table.concat(would, ';'))
