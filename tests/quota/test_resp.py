@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from hypothesis import given
+from hypothesis import strategies as st
 from redis.exceptions import (
     AskError,
     BusyLoadingError,
@@ -24,7 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from extproc.app.loop import LOOPS
 from extproc.app.loop import run as run_loop
-from extproc.quota.redis.resp import RespConnection, Script, _error, pack
+from extproc.quota.redis.resp import RespConnection, Script, _error, _pack_any, pack
 from loadlab.redis_server import RedisServer
 from tests.quota.test_resilient import TcpProxy
 
@@ -35,6 +37,14 @@ def test_commands_are_packed_as_resp_bulk_strings() -> None:
     assert pack(("SET", "k", 12, b"\x00v", 1.5)) == (
         b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$2\r\n12\r\n$2\r\n\x00v\r\n$3\r\n1.5\r\n"
     )
+
+
+_ARGS = st.one_of(st.text(), st.binary(), st.integers(), st.floats(), st.booleans(), st.none())
+
+
+@given(st.lists(_ARGS, min_size=1, max_size=70))
+def test_hiredis_packs_every_argument_as_the_python_packer_does(args: list[object]) -> None:
+    assert pack(tuple(args)) == _pack_any(tuple(args))
 
 
 async def test_concurrent_calls_on_one_connection_each_get_their_own_reply(
