@@ -72,7 +72,8 @@ the ledger, a window's ``net`` equals the counter's value (RPM counters are not 
 it (cancel, orphan) admission's prompt count first and the rest as output.
 
 Record lifetimes: an open (admitted, unsettled) record lives ``record_ttl_s`` (an hour) from
-its admission or its last granted lease (a long stream keeps its record); once
+its admission or its last granted lease (a long stream keeps its record, and its place
+in its owner's open set and the tenant's open count, which a grant renews with it); once
 ``settle`` has run it lives at most ``SETTLED_TTL_S`` (backends take ``settled_ttl_s``), which
 is what the settling processor's own retries need (a retry within it gets
 ``already_settled``; one after it finds no record and charges nothing). ``cancel`` keeps the

@@ -9,6 +9,7 @@ Sweeps are called directly, so every test asserts counts, never timings.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import re
 import socket
@@ -306,6 +307,32 @@ async def test_every_open_record_of_a_dead_processor_is_settled_by_a_peer(
     assert await peer.sweep() == 0 and peer.metrics.orphan_settlements_total == 3
     reasons = [f["reason"] for _, f in await plain_redis.xrange(keys.usage_stream_key(last))]
     assert sorted(reasons) == ["completed", "orphaned", "orphaned"]
+
+
+async def test_a_dead_processors_stream_that_outlived_its_record_lifetime_is_swept(
+    processors: tuple[RedisQuotaBackend, RedisQuotaBackend], plain_redis: aioredis.Redis
+) -> None:
+    a, b = processors
+    liveness(a, ttl_s=30)
+    key = new_key()
+    await a.admit(dataclasses.replace(admission(key, tokens=100), record_ttl_s=30))
+    # As if the stream had run 29.8 s: every key of its admission has 0.2 s left.
+    listed = keys.open_set_key(key, "proc-a")
+    for k in (key, listed, keys.open_count_key(key)):
+        assert await plain_redis.pexpire(k, 200)
+    await plain_redis.set("set-after-them", 1, px=200)  # gone only once they would be
+    assert (await a.reserve(key, 1, (TPM,), 32)).granted == 32  # renews them all
+    while await plain_redis.exists("set-after-them"):
+        await asyncio.sleep(0.05)
+
+    await die(plain_redis, "proc-a")
+    peer = await ready_sweeper(b)
+    assert await peer.sweep() == 1
+    assert await plain_redis.hget(key, "st") == "132,132"
+    assert not await plain_redis.exists(listed) and not await plain_redis.exists(
+        keys.open_count_key(key)
+    )
+    assert await charged(plain_redis) == 132
 
 
 async def test_a_dead_processors_admission_blocks_are_swept_as_fully_used(

@@ -15,7 +15,7 @@ import itertools
 import pytest
 
 from extproc.quota.base import RECORD_TTL_S, SETTLED_TTL_S, Counter, QuotaBackend
-from extproc.quota.keys import block_key, reservation_key
+from extproc.quota.keys import block_key, open_count_key, open_set_key, reservation_key
 from extproc.quota.memory.backend import MemoryQuotaBackend
 from extproc.quota.redis.backend import RedisQuotaBackend
 from tests.quota.conftest import Harness, MemoryHarness, RedisHarness
@@ -176,6 +176,20 @@ async def shorten_life(harness: Harness, key: str, left_s: float) -> None:
         return
     assert isinstance(harness, RedisHarness)
     assert await harness.plain.pexpire(key, int(left_s * 1000))
+    for listing in (open_count_key(key), open_set_key(key, harness.backend.owner_id)):
+        await harness.plain.pexpire(listing, int(left_s * 1000), lt=True)
+
+
+async def still_listed_open(harness: Harness, key: str, lifetime_s: float) -> bool:
+    """Is the record of ``key`` in its owner's open set, which lives as long as it does?"""
+    listing = open_set_key(key, harness.backend.owner_id)
+    if isinstance(harness, MemoryHarness):
+        return key in harness.memory.open_set(listing)
+    assert isinstance(harness, RedisHarness)
+    ttls = [await harness.plain.pttl(k) / 1000 for k in (listing, open_count_key(key))]
+    return bool(await harness.plain.sismember(listing, key)) and all(
+        lifetime_s - 5 < t <= lifetime_s for t in ttls
+    )
 
 
 async def test_a_stream_that_outlives_its_record_lifetime_is_settled_once_at_its_use(
@@ -193,6 +207,8 @@ async def test_a_stream_that_outlives_its_record_lifetime_is_settled_once_at_its
         grant = await harness.backend.reserve(request.reservation_key, seq, (tpm,), 32)
         assert grant.granted == 32 and grant.states
         assert 25 < await record_ttl(harness, request.reservation_key) <= 30
+        # So do the keys a peer finds it by once this processor dies (tests/quota/test_orphans.py).
+        assert await still_listed_open(harness, request.reservation_key, 30)
 
     settlement = await harness.backend.settle(
         request.reservation_key, (tpm,), used=250, seen_admitted=True

@@ -504,8 +504,11 @@ class MemoryQuotaBackend:
                 record.charged[key] = record.charged.get(key, 0) + granted * c.weights[1]
         record.reserved += granted
         record.grants[seq] = granted
-        if record.lifetime_s > 0:
+        if record.lifetime_s > 0:  # reserve.lua: the record, and the open set listing it
             record.expires_at = now_s + record.lifetime_s
+            listed = self._open_sets.get(open_set_key(reservation_key, self.owner_id))
+            if listed is not None and listed.expires_at > now:
+                listed.expires_at = max(listed.expires_at, record.expires_at)
         return Grant(granted=granted, states=states(), shadow_cut_by=tuple(would))
 
     def _others_open(self, reservation_key: str, now: float) -> int:

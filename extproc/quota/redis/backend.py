@@ -470,7 +470,10 @@ class RedisQuotaBackend:
         minimum: int = 1,
     ) -> Grant:
         windows.check_reserve(seq, amount, minimum, token_counters)
-        open_key = open_count_key(reservation_key)
+        listings = (
+            open_count_key(reservation_key),
+            keynames.tenant_part(reservation_key) + ":own:" + self._owner_part,
+        )
         now_s = math.floor(time.time() + self.clock_offset_s)
         for attempt in range(WINDOW_RETRIES + 1):
             keys = [reservation_key]
@@ -479,7 +482,7 @@ class RedisQuotaBackend:
                 counter_key, shape, a, b = windows.script_window(c, now_s)
                 keys.append(counter_key)
                 args += (c.limit, shape, a, b, c.weights[1], 1 if c.shadow else 0)
-            keys.append(open_key)
+            keys += listings
             reply = await self._call("reserve", self._scripts.run_script(self._reserve, keys, args))
             status, granted, reply_s, reply_us = reply[:4]
             now = self.learn_clock(reply_s, reply_us)

@@ -3,6 +3,7 @@
 -- KEYS[1]      reservation record (hash)
 -- KEYS[2..n+1] each token counter's key (counters.lua)
 -- KEYS[n+2]    the tenant's count of admitted, unsettled requests
+-- KEYS[n+3]    the tenant's set of records this processor holds open (keys.open_set_key)
 -- ARGV         seq, amount, minimum, then limit, shape (f|s), a, b, output weight,
 --              shadow (1|0) per counter
 -- Constants    MARGIN, CLOCK_KEY and counters.lua, prepended by the backend
@@ -37,7 +38,7 @@ end
 local seq_field = 'q' .. ARGV[1]
 local amount = tonumber(ARGV[2])
 local minimum = tonumber(ARGV[3])
-local n = #KEYS - 2
+local n = #KEYS - 3
 
 local cs, weights, shadows, rooms = {}, {}, {}, {}
 for i = 1, n do
@@ -94,7 +95,13 @@ end
 redis.call('HINCRBY', rkey, 'res', granted)
 redis.call('HSET', rkey, seq_field, granted)
 -- A stream that outlives its record's lifetime is still open: each grant renews it, or the
--- record would expire mid-stream and its settlement charge the stream a second time.
+-- record would expire mid-stream and its settlement charge the stream a second time; and
+-- the keys that list it open, or a peer could not find it once its owner died.
 local lifetime = tonumber(redis.call('HGET', rkey, 'tl') or '0')
-if lifetime > 0 then redis.call('EXPIRE', rkey, lifetime) end
+if lifetime > 0 then
+  redis.call('EXPIRE', rkey, lifetime)
+  for _, listing in ipairs({KEYS[n + 2], KEYS[n + 3]}) do
+    if redis.call('TTL', listing) < lifetime then redis.call('EXPIRE', listing, lifetime) end
+  end
+end
 return reply('granted', granted, table.concat(would, ';'))
