@@ -436,6 +436,7 @@ class AdmissionBlocks:
         output_tokens: int | None = None,
         cached_tokens: int = 0,
         seen_admitted: bool = False,
+        usage: UsageTags | None = None,
     ) -> Settlement:
         await self._recorded(reservation_key)
         if reservation_key in self._unrecorded:
@@ -451,6 +452,7 @@ class AdmissionBlocks:
             output_tokens=output_tokens,
             cached_tokens=cached_tokens,
             seen_admitted=seen_admitted,
+            usage=usage,
         )
 
     async def cancel(

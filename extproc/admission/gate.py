@@ -62,6 +62,9 @@ def token_count_failed() -> ApiError:
     )
 
 
+NO_USAGE = UsageTags()
+
+
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """Everything the response side needs to bill and settle this request."""
@@ -77,6 +80,8 @@ class Admitted:
     replayed: bool
     # Of the configuration it was admitted under: a refused lease is asked again this long.
     refund_wait_s: float
+    # What the admission recorded for the usage ledger (a lost admission's entry needs it).
+    usage: UsageTags = NO_USAGE
 
     @property
     def metric_labels(self) -> tuple[str, str]:
@@ -206,6 +211,7 @@ class Admission:
                 tenant, request, policy, tokenizer, reservation_key,
                 prompt_tokens, output_reserved, (), False, self.config.refund_wait_s,
             )  # fmt: skip
+        usage = UsageTags(tenant.plan.name, request.model.name, client_request_id, prompt_tokens)
         charge = AdmitRequest(
             reservation_key=reservation_key,
             request_counters=policy.request_counters,
@@ -213,7 +219,7 @@ class Admission:
             tokens=prompt_tokens + output_reserved,
             count_refused_attempts=self.config.rpm_counts == "attempts",
             # Kept in the reservation record for the usage ledger entry of its settlement.
-            usage=UsageTags(tenant.plan.name, request.model.name, client_request_id, prompt_tokens),
+            usage=usage,
         )
         # Refused only because other requests hold leases they may not use: ask again for
         # up to refund_wait_ms while their refunds come back, then take the final verdict.
@@ -249,6 +255,7 @@ class Admission:
         return Admitted(
             tenant, request, policy, tokenizer, reservation_key,
             prompt_tokens, output_reserved, states, verdict.replayed, self.config.refund_wait_s,
+            usage,
         )  # fmt: skip
 
     def close(self) -> None:

@@ -152,6 +152,7 @@ class Settlement:
                 output_tokens=output,
                 cached_tokens=self.cached_input,
                 seen_admitted=True,
+                usage=self.admitted.usage,
             )
         except Exception as exc:
             metrics.settle_errors_total += 1

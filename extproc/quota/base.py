@@ -445,13 +445,16 @@ class QuotaBackend(Protocol):
         output_tokens: int | None = None,
         cached_tokens: int = 0,
         seen_admitted: bool = False,
+        usage: UsageTags | None = None,
     ) -> Settlement:
         """Commit ``used`` and refund the rest of the reservation, once.
 
         ``seen_admitted``: the caller saw this request's admission answered. A record then
         missing was lost by the backend with its charges, so ``used`` is charged in full
-        (``Settlement.record_lost``). Without it a missing record charges nothing: a replay
-        long after the settled record expired must not charge twice.
+        (``Settlement.record_lost``), and its ledger entry takes plan, model and client
+        request id from ``usage`` (what the admission sent). Without it a missing record
+        charges nothing: a replay long after the settled record expired must not charge
+        twice.
         """
         ...
 

@@ -681,5 +681,8 @@ def test_an_admission_redis_lost_mid_stream_is_charged_at_its_settlement(
     got, billed, reason = check_billed(redis_client, tenant, result.body)
     assert got < 180 and reason == "cutoff", (got, billed, reason)
     assert b'"code":"quota_unavailable"' in result.body  # the backend failed, not the budget
+    # Its ledger entry still says whose plan and which model: admission's, sent again.
+    entry = settled_entry(redis_client, tenant)
+    assert (entry["plan"], entry["model"]) == (tenant, "gpt-4.1")
     lost = gateway.processors[0].metrics()["extproc_lost_admissions_charged_total"]
     assert lost == lost_before + 1

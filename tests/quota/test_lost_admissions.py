@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 
 from extproc.metrics import Metrics
 from extproc.quota import keys
-from extproc.quota.base import AdmitRequest, Counter
+from extproc.quota.base import AdmitRequest, Counter, UsageTags
 from extproc.quota.redis.backend import RedisQuotaBackend
 from extproc.quota.resilience.backend import ResilientQuotaBackend
 from extproc.quota.resilience.queue import SEEN_RETRY_S, Op
@@ -76,7 +76,10 @@ async def test_a_settlement_whose_admission_redis_lost_charges_what_was_used_onc
     await lose_writes_since(plain_redis, before)
     assert await charged(plain_redis) == 50 and not await plain_redis.exists(key)
 
-    settled = await backend.settle(key, (TPM,), used=90, output_tokens=40, seen_admitted=True)
+    tags = UsageTags("gold", "gpt-4.1", "client-7", 50)
+    settled = await backend.settle(
+        key, (TPM,), used=90, output_tokens=40, seen_admitted=True, usage=tags
+    )
     assert settled.record_lost and not settled.already_settled
     assert (settled.reserved, settled.used, settled.refunded) == (0, 90, 0)
     assert await charged(plain_redis) == 50 + 90
@@ -85,6 +88,11 @@ async def test_a_settlement_whose_admission_redis_lost_charges_what_was_used_onc
     assert [(e["used"], e["prompt_tokens"], e["output_tokens"]) for e in entries] == [
         ("90", "50", "40")
     ]
+    assert (entries[0]["plan"], entries[0]["model"], entries[0]["client_request_id"]) == (
+        "gold",
+        "gpt-4.1",
+        "client-7",
+    )
     [window] = entries[0]["windows"].split(";")
     assert int(window.rsplit(":", 1)[1]) == 90  # the ledger's net is the counter's charge
 
@@ -122,7 +130,8 @@ async def test_a_seen_settlement_of_a_recorded_admission_is_a_plain_settlement(
     assert (settled.reserved, settled.refunded, settled.record_lost) == (100, 40, False)
     assert sum((await harness.windows(TPM)).values()) == 60
 
-    gone = await b.settle(lost, (TPM,), used=25, output_tokens=5, seen_admitted=True)
+    tags = UsageTags("gold", "gpt-4.1", "client-9", 20)
+    gone = await b.settle(lost, (TPM,), used=25, output_tokens=5, seen_admitted=True, usage=tags)
     assert (gone.reserved, gone.refunded, gone.record_lost) == (0, 0, True)
     assert sum((await harness.windows(TPM)).values()) == 85
     replay = await b.settle(lost, (TPM,), used=25, output_tokens=5, seen_admitted=True)
@@ -132,6 +141,12 @@ async def test_a_seen_settlement_of_a_recorded_admission_is_a_plain_settlement(
         ("req-" + kept.rsplit("req-", 1)[1], "60", "10"),
         ("req-" + lost.rsplit("req-", 1)[1], "25", "5"),
     ]
+    lost_entry = ledger[1][1]
+    assert (lost_entry["plan"], lost_entry["model"], lost_entry["client_request_id"]) == (
+        "gold",
+        "gpt-4.1",
+        "client-9",
+    )
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["soon", "late"])
@@ -148,10 +163,12 @@ async def test_a_queued_settlement_charges_a_lost_admission_only_while_no_replay
     await admit_and_lease(backend, key)
     await lose_writes_since(plain_redis, before)
     op = Op("settle", key, (TPM,), used=90, reason="completed")
-    op.seen_admitted = True
+    op.seen_admitted, op.usage = True, UsageTags("gold", "gpt-4.1", "client-8", 0)
     if late:
         op.queued_at = time.monotonic() - SEEN_RETRY_S - 1
     assert resilient.queue.put(op)
     assert await resilient.flush(10)
     assert metrics.quota_queue_applied_total == 1
     assert await charged(plain_redis) == (0 if late else 90)
+    entries = [f for _, f in await plain_redis.xrange(keys.usage_stream_key(key))]
+    assert [(e["plan"], e["model"]) for e in entries] == ([] if late else [("gold", "gpt-4.1")])

@@ -534,6 +534,7 @@ class MemoryQuotaBackend:
         output_tokens: int | None = None,
         cached_tokens: int = 0,
         seen_admitted: bool = False,
+        usage: UsageTags | None = None,
     ) -> Settlement:
         windows.check_settle(used, token_counters)
         windows.check_reason(reason, output_tokens, used)
@@ -546,6 +547,7 @@ class MemoryQuotaBackend:
         if lost:  # settle.lua's seen mode: the admission's record and charges were lost
             expires_at = now + self.settled_ttl_s
             record = _Record(admitted=True, refused_by=None, verdict=(), expires_at=expires_at)
+            record.tags = usage or UsageTags()
             self._records[reservation_key] = record
         if record is None or not record.admitted:
             zeros = tuple(0 for _ in token_counters)

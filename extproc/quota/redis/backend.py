@@ -521,6 +521,7 @@ class RedisQuotaBackend:
         output_tokens: int | None = None,
         cached_tokens: int = 0,
         seen_admitted: bool = False,
+        usage: UsageTags | None = None,
     ) -> Settlement:
         windows.check_settle(used, token_counters)
         windows.check_reason(reason, output_tokens, used)
@@ -528,6 +529,8 @@ class RedisQuotaBackend:
         # _run_settle inlined: the hot path's one round trip without another coroutine.
         head = [used, mode, RECORD_TTL_S, self.owner_id, reason,
                 -1 if output_tokens is None else output_tokens, cached_tokens]  # fmt: skip
+        if seen_admitted and usage is not None:  # no request counters, then the lost tags
+            head += (0, usage.plan, usage.model, usage.client_request_id, usage.prompt_tokens)
         now_s = math.floor(time.time() + self.clock_offset_s)
         keys, args = self._settle_request(reservation_key, token_counters, head, now_s)
         reply = await self._call("settle", self._scripts.run_script(self._settle, keys, args))

@@ -83,6 +83,7 @@ from extproc.quota.base import (
     QuotaUnavailable,
     Settlement,
     SettleReason,
+    UsageTags,
     Verdict,
 )
 from extproc.quota.redis.backend import RedisQuotaBackend
@@ -246,6 +247,7 @@ class ResilientQuotaBackend:
         output_tokens: int | None = None,
         cached_tokens: int = 0,
         seen_admitted: bool = False,
+        usage: UsageTags | None = None,
     ) -> Settlement:
         windows.check_settle(used, token_counters)
         windows.check_reason(reason, output_tokens, used)
@@ -259,6 +261,7 @@ class ResilientQuotaBackend:
                 output_tokens,
                 cached_tokens,
                 seen_admitted,
+                usage,
             )
         # Redis reserved the oldest part of the request, so it takes the oldest usage.
         used_remote = 0 if tracked.local else min(used, tracked.redis_reserved)
@@ -282,7 +285,14 @@ class ResilientQuotaBackend:
             )
         # Two ledger entries for this request: Redis's part here, the absorbed one on its own.
         remote = await self._settle_remote(
-            reservation_key, token_counters, used_remote, reason, remote_output, 0, seen_admitted
+            reservation_key,
+            token_counters,
+            used_remote,
+            reason,
+            remote_output,
+            0,
+            seen_admitted,
+            usage,
         )
         return Settlement(
             reserved=remote.reserved + local.reserved,
@@ -302,6 +312,7 @@ class ResilientQuotaBackend:
         output_tokens: int | None = None,
         cached_tokens: int = 0,
         seen_admitted: bool = False,
+        usage: UsageTags | None = None,
     ) -> Settlement:
         try:
             return await self.breakers.guarded(
@@ -314,13 +325,14 @@ class ResilientQuotaBackend:
                     output_tokens=output_tokens,
                     cached_tokens=cached_tokens,
                     seen_admitted=seen_admitted,
+                    usage=usage,
                 ),
             )
         except QuotaUnavailable as exc:
             op = Op("settle", key, token_counters, used=used, reason=reason)
             op.output_tokens = output_tokens
             op.cached_tokens = cached_tokens
-            op.seen_admitted = seen_admitted
+            op.seen_admitted, op.usage = seen_admitted, usage
             queued = self.queue.put(op)
             if queued:
                 log.info("settle_queued", request_id=key, used=used, error=repr(exc))

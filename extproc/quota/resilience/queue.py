@@ -29,6 +29,7 @@ from extproc.quota.base import (
     QuotaBackend,
     QuotaUnavailable,
     SettleReason,
+    UsageTags,
 )
 from extproc.quota.resilience.breaker import Breakers, CircuitOpen
 
@@ -55,6 +56,7 @@ class Op:
     # settle: the admission was seen answered (``QuotaBackend.settle``); kept while a retry
     # could not be a replay of a first try whose settled record has expired since.
     seen_admitted: bool = False
+    usage: UsageTags | None = None  # settle: what admission recorded, for a lost one's entry
     ttl_s: int = RECORD_TTL_S  # cancel: tombstone lifetime
     absorption: Absorption | None = None  # absorb
     tokens: int = 0  # absorb: tokens served locally
@@ -130,6 +132,7 @@ class RetryQueue:
                     output_tokens=op.output_tokens,
                     cached_tokens=op.cached_tokens,
                     seen_admitted=seen,
+                    usage=op.usage,
                 ),
             )
             if settled.record_lost:

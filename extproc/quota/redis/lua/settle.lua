@@ -10,7 +10,9 @@
 -- ARGV         used, mode (0 settle | 1 cancel | 2 orphan | 3 return | 4 settle seen), tombstone_ttl_s,
 --              owner, reason, output_tokens (-1: not given), cached_tokens, then shape
 --              (f|s), a, b, input, output and cached input weights per counter, then
---              (return mode) n_request: the request counters, last of the n
+--              (return mode) n_request: the request counters, last of the n; (seen mode,
+--              optional) 0, plan, model, client request id, prompt tokens: what the
+--              admission recorded, for the ledger entry of one Redis lost
 -- Constants    MARGIN, CLOCK_KEY, SETTLED_TTL (s), LEDGER (true|false), MAX_LEN (0: none),
 --              RETENTION_MS (0: none): the backend's settings, and counters.lua and
 --              ledger.lua, prepended by it (fewer arguments to pack per call)
@@ -100,6 +102,11 @@ if orphan then
 end
 local parts = {}
 local lost = mode == '4' and not rec['v']
+if lost and ARGV[9 + n * 6] then
+  local tags = 9 + n * 6
+  rec['pl'], rec['md'], rec['cr'], rec['pt'] = ARGV[tags], ARGV[tags + 1], ARGV[tags + 2],
+    ARGV[tags + 3]
+end
 if not lost and (not rec['v'] or string.sub(rec['v'], 1, 1) ~= '1') then
   parts = {'0', int(used)}
   for _ = 1, n_tok do parts[#parts + 1] = '0' end
