@@ -660,3 +660,56 @@ async def test_a_settlement_a_failover_lost_is_sent_again_by_its_owners_next_swe
     assert int(await plain_redis.get(keys.open_count_key(key)) or 0) == 0
     # Once: the next sweeps find nothing more of it.
     assert await live.repair_own() == 0 and metrics.settlements_repaired_total == 1
+
+
+@pytest.mark.parametrize("kind", ["cancel", "return_block"])
+async def test_a_cancel_or_block_return_a_failover_lost_is_sent_again_by_its_owners_next_sweep(
+    processors: tuple[RedisQuotaBackend, RedisQuotaBackend], plain_redis: aioredis.Redis, kind: str
+) -> None:
+    """As for a settlement: the replica took over with the admission (or the block) open and
+    charged, though its owner had given it back. The owner's sweep sends the cancel (or the
+    return) again, so nothing stays charged for tokens nobody used."""
+    a, _ = processors
+    metrics = Metrics()
+    live = Liveness(a, metrics, heartbeat_ttl_s=30, sweep_interval_s=60)
+    tpm = Counter("tpm", keys.counter_key("lost", "tpm", "m", 3600), 1_000_000, 3600)
+    rpm = Counter("rpm", keys.counter_key("lost", "rpm", "m", 3600), 1000, 3600)
+    if kind == "cancel":
+        key = keys.reservation_key("lost", f"req-{next(_ids)}")
+        assert (await a.admit(AdmitRequest(key, (rpm,), (tpm,), 100))).admitted
+    else:
+        key = keys.block_key("lost", a.owner_id, next(_ids))
+        assert (await a.take_block(AdmitRequest(key, (rpm,), (tpm,), 100), 4)).verdict.admitted
+    tenant_keys = await plain_redis.keys("tq:{lost}:*")
+    before = {k: (await plain_redis.dump(k), await plain_redis.pttl(k)) for k in tenant_keys}
+    tpm_keys = await plain_redis.keys(tpm.key + ":*")
+    rpm_keys = await plain_redis.keys(rpm.key + ":*")
+    held = [sum([int(await plain_redis.get(k) or 0) for k in ks]) for ks in (tpm_keys, rpm_keys)]
+    if kind == "cancel":
+        await a.cancel(key, (tpm,))
+    else:
+        await a.return_block(key, (rpm,), (tpm,))
+    gone = [sum([int(await plain_redis.get(k) or 0) for k in ks]) for ks in (tpm_keys, rpm_keys)]
+    assert gone[0] == 0 and gone[1] == (held[1] if kind == "cancel" else 0)
+    assert not await live.repair_own()  # nothing lost yet: nothing to send again
+
+    for k in set(await plain_redis.keys("tq:{lost}:*")) - set(before):
+        await plain_redis.delete(k)
+    for k, (dump, ttl) in before.items():
+        await plain_redis.restore(k, max(ttl, 0), dump, replace=True)
+    open_set = keys.open_set_key(key, a.owner_id)
+    assert await plain_redis.sismember(open_set, key) and not await plain_redis.hget(key, "st")
+    assert [
+        sum([int(await plain_redis.get(k) or 0) for k in ks]) for ks in (tpm_keys, rpm_keys)
+    ] == held
+
+    await live.sweep()
+    assert metrics.settlements_repaired_total == 1
+    assert await plain_redis.hget(key, "c") == "1" and not await plain_redis.sismember(
+        open_set, key
+    )
+    assert [
+        sum([int(await plain_redis.get(k) or 0) for k in ks]) for ks in (tpm_keys, rpm_keys)
+    ] == gone
+    assert int(await plain_redis.get(keys.open_count_key(key)) or 0) == 0
+    assert await live.repair_own() == 0 and metrics.settlements_repaired_total == 1

@@ -409,10 +409,10 @@ class Liveness:
         return settled
 
     async def repair_own(self) -> int:
-        """Records in this processor's own open sets that it settled lately: a master that
-        acknowledged the settlement died before its replica had it (replication is
-        asynchronous), and the replica took over with the record open. Each is settled
-        again as it was (``repair_settlement``). Returns how many were settled now."""
+        """Records in this processor's own open sets that it settled, cancelled or returned
+        (a block) lately: a master that acknowledged it died before its replica had it
+        (replication is asynchronous), and the replica took over with the record open. Each
+        is sent again as it was (``repair_settlement``). Returns how many were settled now."""
         repaired = 0
         for open_set in sorted(self.registrations.known):
             try:

@@ -269,8 +269,9 @@ class RedisQuotaBackend:
         self.clock_offset_s = 0.0
         # Calls sent again because the window keys passed were not the server's current.
         self.window_retries = 0
-        # Settlements made lately, by record key: each one's settle.lua request (its head),
-        # so that one a failover lost (``repair_settlement``) can be sent again as it was.
+        # Settlements, cancels and block returns made lately, by record key: each one's
+        # settle.lua request (its head), so that one a failover lost (``repair_settlement``)
+        # can be sent again as it was.
         self._settled: OrderedDict[str, tuple[tuple[Counter, ...], list[Any], float]] = (
             OrderedDict()
         )
@@ -541,6 +542,7 @@ class RedisQuotaBackend:
 
     def _remember(self, key: str, token_counters: tuple[Counter, ...], head: list[Any]) -> None:
         settled, now = self._settled, time.monotonic()
+        settled.pop(key, None)  # the newest last: the oldest go first
         settled[key] = (token_counters, head, now)
         while settled:
             first = next(iter(settled.values()))
@@ -549,7 +551,8 @@ class RedisQuotaBackend:
             settled.popitem(last=False)
 
     def settled_lately(self, key: str) -> bool:
-        """Did this processor settle the record ``key`` in the last ``REPAIRABLE_S``?"""
+        """Did this processor settle, cancel or return the record ``key`` in the last
+        ``REPAIRABLE_S``?"""
         return key in self._settled
 
     async def repair_settlement(self, key: str) -> bool:
@@ -640,10 +643,10 @@ class RedisQuotaBackend:
         tombstone_ttl_s: int = RECORD_TTL_S,
     ) -> Settlement:
         windows.check_cancel(tombstone_ttl_s, token_counters)
-        already, summary = await self._run_settle(
-            "cancel", reservation_key, token_counters, 0, _MODE_CANCEL, tombstone_ttl_s, "cancelled"
-        )
-        return _settlement(already, summary)
+        head = [0, _MODE_CANCEL, tombstone_ttl_s, self.owner_id, "cancelled", -1, 0]
+        reply = await self._send_settle("cancel", reservation_key, token_counters, head)
+        self._remember(reservation_key, token_counters, head)  # a failover may lose it too
+        return _settlement(reply[0], reply[1])
 
     async def settle_orphan(
         self, reservation_key: str, owner_id: str
@@ -764,6 +767,7 @@ class RedisQuotaBackend:
         reply = await self._call("return_block", self._scripts.run_script(self._settle, keys, args))
         if reply[0] == 4:
             reply = await self._settle_retry("return_block", block_key, counters, head, reply)
+        self._remember(block_key, counters, head)  # a failover may lose it too
         return _settlement(reply[0], reply[1])
 
     async def absorb(self, absorption: Absorption) -> bool:
