@@ -221,7 +221,7 @@ _SCALARS: tuple[tuple[str, str, str, str], ...] = (
     ("heartbeat_lapses_total", "extproc_heartbeat_lapses", "counter",
      "Times this processor found its own heartbeat expired."),
     ("settlements_repaired_total", "extproc_settlements_repaired", "counter",
-     "Own settlements a Redis failover lost, sent again."),
+     "Own settlements, cancels and block returns a Redis failover lost, sent again."),
     ("lost_admissions_charged_total", "extproc_lost_admissions_charged", "counter",
      "Settlements that found no record of their admission (lost by Redis) and charged all used."),
     ("liveness_errors_total", "extproc_liveness_errors", "counter",
