@@ -93,8 +93,9 @@ def ratio_row(route: str, level: float, ra: dict[str, Any], rb: dict[str, Any]) 
         va, vb = _get(ra, metric), _get(rb, metric)
         row[f"{metric}.a"] = va
         row[f"{metric}.b"] = vb
+        # Five significant figures, not four decimals: a ratio of 0.0258 keeps its precision.
         row[f"{metric}.ratio"] = (
-            round(vb / va, 4) if va is not None and vb is not None and va != 0 else None
+            float(f"{vb / va:.5g}") if va is not None and vb is not None and va != 0 else None
         )
     return row
 

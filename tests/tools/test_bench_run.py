@@ -12,6 +12,7 @@ import orjson
 import pytest
 import yaml
 
+from loadlab.compare import ratio_row
 from loadlab.scenario import parse_scenario
 from loadlab.stats import CSV_COLUMNS
 from tests.tools.conftest import PNG_SIGNATURE, TINY, bench, write_scenario
@@ -147,11 +148,17 @@ def test_compare_gives_b_over_a_per_route_and_level(run: Path, tmp_path: Path) -
         key = (row["route"], row["level"])
         for metric in ("ttft_ms", "e2el_ms", "chunk_latency_ms"):
             va, vb = a[key][metric]["p50"], b[key][metric]["p50"]
-            assert row[f"{metric}.p50.ratio"] == pytest.approx(vb / va, rel=1e-3)
+            assert row[f"{metric}.p50.ratio"] == pytest.approx(vb / va, rel=1e-4)
         ratio = b[key]["output_throughput"] / a[key]["output_throughput"]
-        assert row["output_throughput.ratio"] == pytest.approx(ratio, rel=1e-3)
+        assert row["output_throughput.ratio"] == pytest.approx(ratio, rel=1e-4)
     assert (tmp_path / "cmp" / "compare.csv").read_text().startswith("route,level,")
     assert "processor" in compared.stdout
+
+
+@pytest.mark.parametrize("a, b", [(38.83, 1.0), (0.626, 1.0377), (1.0, 123456.7)])
+def test_a_ratio_keeps_five_significant_figures_however_small_or_large(a: float, b: float) -> None:
+    row = ratio_row("processor", 1, {"ttft_ms": {"p50": a}}, {"ttft_ms": {"p50": b}})
+    assert row["ttft_ms.p50.ratio"] == pytest.approx(b / a, rel=5e-5)
 
 
 def test_compare_of_one_folder_divides_its_routes_by_the_baseline(
@@ -166,7 +173,8 @@ def test_compare_of_one_folder_divides_its_routes_by_the_baseline(
     ]
     for row in rows:
         mine, base = by[(row["route"], row["level"])], by[("direct", row["level"])]
-        assert row["ttft_ms.p50.ratio"] == round(mine["ttft_ms"]["p50"] / base["ttft_ms"]["p50"], 4)
+        ratio = mine["ttft_ms"]["p50"] / base["ttft_ms"]["p50"]
+        assert row["ttft_ms.p50.ratio"] == pytest.approx(ratio, rel=1e-4)  # 5 figures
     assert "B/A ratios — A: direct  B: envoy, noop, processor" in done.stdout
     unknown = bench("compare", run, "--baseline", "nowhere")
     assert unknown.returncode == 2
