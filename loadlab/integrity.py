@@ -457,9 +457,17 @@ def _restart_times(w: Watcher) -> list[float]:
 
 def check_settled_once(w: Watcher, kills: Sequence[float]) -> tuple[Check, set[str]]:
     """Every admitted request has one ledger entry: none twice, none missing except the
-    ones a fault explains (open at a processor's SIGKILL, lost with a Redis restart)."""
+    ones a fault explains (open at a processor's SIGKILL, lost with a Redis restart). An
+    entry of a request never seen admitted is an admission a failover lost, charged at its
+    settlement (nothing reserved: no record held a reservation), or one served from a
+    fail-open allowance while Redis was away (absorbed)."""
     ledger = _ledger_by_request(w)
     admitted = {r.request_id: r for r in w.records.values() if r.admitted}
+    lost_admissions = [
+        rid
+        for rid, es in ledger.items()
+        if rid not in admitted and len(es) == 1 and es[0].get("reserved") == "0"
+    ]
     duplicates = {rid: len(es) for rid, es in ledger.items() if len(es) > 1}
     last_epoch = w.epochs[-1][0] if w.epochs else ""
     missing, lost_with_redis, open_ids = [], [], []
@@ -482,11 +490,13 @@ def check_settled_once(w: Watcher, kills: Sequence[float]) -> tuple[Check, set[s
         "settled_without_entry": len(missing),
         "open": len(open_ids),
         "lost_with_redis_restart": len(lost_with_redis),
+        "lost_admissions_charged": len(lost_admissions),
         "examples": {"duplicates": list(duplicates)[:5], "settled_without_entry": missing[:5]},
     }
     summary = (
         f"admitted {len(admitted)}, settled {settled}, duplicates {len(duplicates)}, "
         f"settled without a ledger entry {len(missing)}, lost with Redis {len(lost_with_redis)}"
+        + (f", lost admissions charged {len(lost_admissions)}" if lost_admissions else "")
     )
     return Check("settled_exactly_once", passed, figures, summary), set(lost_with_redis)
 
