@@ -546,8 +546,13 @@ class MemoryQuotaBackend:
         lost = record is None and seen_admitted
         if lost:  # settle.lua's seen mode: the admission's record and charges were lost
             expires_at = now + self.settled_ttl_s
-            record = _Record(admitted=True, refused_by=None, verdict=(), expires_at=expires_at)
-            record.tags = usage or UsageTags()
+            record = _Record(
+                admitted=True,
+                refused_by=None,
+                verdict=(),
+                expires_at=expires_at,
+                tags=usage or UsageTags(),
+            )
             self._records[reservation_key] = record
         if record is None or not record.admitted:
             zeros = tuple(0 for _ in token_counters)

@@ -261,6 +261,8 @@ class RedisQuotaBackend:
         # Set by ``extproc.quota.liveness.orphans.Liveness``; None: no index is kept (no cost).
         self.registrations: Registrations | None = None
         self._owner_part = keynames.encode_name(self.owner_id)
+        # keys.open_set_key of this processor, its tenant part left out (encoded once).
+        self._owned_suffix = ":own:" + self._owner_part
         self._admit = Script(self.script_source("admit.lua"))
         self._reserve = Script(self.script_source("reserve.lua"))
         self._absorb = Script(load_lua("absorb.lua"))
@@ -423,7 +425,7 @@ class RedisQuotaBackend:
         key = request.reservation_key
         tenant = keynames.tenant_part(key)
         open_key = tenant + ":open"
-        owned_key = tenant + ":own:" + self._owner_part
+        owned_key = tenant + self._owned_suffix
         registrations = self.registrations
         if registrations is not None and not registrations.fresh(owned_key):
             await registrations.ensure(owned_key)  # before the charge a peer must find
@@ -473,7 +475,7 @@ class RedisQuotaBackend:
         windows.check_reserve(seq, amount, minimum, token_counters)
         listings = (
             open_count_key(reservation_key),
-            keynames.tenant_part(reservation_key) + ":own:" + self._owner_part,
+            keynames.tenant_part(reservation_key) + self._owned_suffix,
         )
         now_s = math.floor(time.time() + self.clock_offset_s)
         for attempt in range(WINDOW_RETRIES + 1):
@@ -689,7 +691,7 @@ class RedisQuotaBackend:
         tenant = keynames.tenant_part(key)
         if block_key is not None and keynames.tenant_part(block_key) != tenant:
             raise ValueError(f"block {block_key!r} is not in the tenant of {key!r}")
-        owned_key = tenant + ":own:" + self._owner_part
+        owned_key = tenant + self._owned_suffix
         registrations = self.registrations
         if registrations is not None and not registrations.fresh(owned_key):
             await registrations.ensure(owned_key)  # before the charge a peer must find
