@@ -333,6 +333,10 @@ async def test_a_dead_processors_stream_that_outlived_its_record_lifetime_is_swe
         keys.open_count_key(key)
     )
     assert await charged(plain_redis) == 132
+    # The books balance: one ledger entry, orphaned, whose window nets are the counter's.
+    [entry] = [f for _, f in await plain_redis.xrange(keys.usage_stream_key(key))]
+    assert (entry["reason"], entry["used"]) == ("orphaned", "132")
+    assert sum(int(w.rsplit(":", 1)[1]) for w in entry["windows"].split(";")) == 132
 
 
 async def test_a_dead_processors_admission_blocks_are_swept_as_fully_used(
