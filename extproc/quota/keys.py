@@ -45,12 +45,15 @@ TENANT_WIDE = "*"
 PROCESSOR_TAG = "{~p}"
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+_ALL_SAFE = re.compile(r"[A-Za-z0-9._-]*\Z")
 _KIND_SET = "[a-z_]"  # what a counter kind is made of
 _KIND = re.compile(f"^{_KIND_SET}+$")
 
 
 def encode_name(name: str) -> str:
     """Percent-encode every UTF-8 byte outside [A-Za-z0-9._-] (``%`` itself included)."""
+    if _ALL_SAFE.match(name):  # the common case (ids, most tenant and model names): as is
+        return name
     return "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in name.encode("utf-8"))
 
 

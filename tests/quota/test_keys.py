@@ -39,6 +39,25 @@ def test_encoding_round_trips_and_holds_only_safe_characters(name: str) -> None:
     assert decode_name(encoded) == name
 
 
+@pytest.mark.parametrize(
+    ("name", "encoded"),
+    [
+        ("gpt-4.1", "gpt-4.1"),
+        ("3f2a9c0b7e", "3f2a9c0b7e"),
+        ("Europe/Berlin", "Europe%2FBerlin"),
+        ("a b%", "a%20b%25"),
+        ("é", "%C3%A9"),
+        ("x\n", "x%0A"),  # a trailing newline is not "all safe"
+        ("~block", "%7Eblock"),
+    ],
+)
+def test_a_safe_name_is_its_own_key_part_and_others_are_percent_encoded(
+    name: str, encoded: str
+) -> None:
+    # Key names are what deployed counters are found by: they never change between versions.
+    assert encode_name(name) == encoded
+
+
 @given(names, names | st.none(), names, names | st.none(), kinds, kinds, windows, windows)
 def test_different_tenant_model_pairs_never_share_a_counter_key(
     tenant_a: str,
