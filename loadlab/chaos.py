@@ -60,7 +60,7 @@ DEFAULT_SCENARIO = ROOT / "benchmarks" / "chaos" / "default.yaml"
 # After a fault ends, how long its effects may still show (Envoy's health checks need two
 # failed checks half a second apart to drop a dead processor, and one more to take it back).
 FAULT_GRACE_S = 2.0
-TAMPERS = ("counter", "ledger")
+TAMPERS = ("counter", "ledger", "lost_admission")
 UPSTREAM_ERROR = "upstream_error"  # the code of the event ending a stream it cannot read
 
 

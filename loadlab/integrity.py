@@ -311,6 +311,18 @@ class Watcher:
             await asyncio.sleep(0.05)
         return True
 
+    def _lose_one_admission(self) -> dict[str, Any]:
+        """The ``lost_admission`` test hook: the watcher's copies only, Redis untouched."""
+        entries = _ledger_by_request(self)
+        for key, r in self.records.items():
+            if r.admitted and r.settled and len(entries.get(r.request_id, [])) == 1:
+                del self.records[key]
+                for entry in self.ledger.values():
+                    if entry.get("request_id") == r.request_id:
+                        entry["reserved"] = "0"
+                return {"tamper": "lost_admission", "request_id": r.request_id}
+        return {}
+
     def _client(self, timeout_s: float) -> Any:
         """A client for single-key calls: the server, or the cluster (it follows MOVED)."""
         if self.cluster_ports:
@@ -360,7 +372,10 @@ class Watcher:
     async def final_read(self, tamper: str | None = None) -> dict[str, Any]:
         """The last read, after the load and the drain; ``tamper`` (a test hook) breaks one
         invariant in Redis first: ``counter`` INCRBYs the newest counter window by a
-        budget, ``ledger`` deletes a ledger entry (the watcher's copy of it too)."""
+        budget, ``ledger`` deletes a ledger entry (the watcher's copy of it too).
+        ``lost_admission`` breaks nothing: it makes one settled request look, to the books,
+        as one whose admission a failover lost and its settlement charged (its record never
+        read, nothing reserved in its entry)."""
         client = self._client(5.0)
         tampered: dict[str, Any] = {}
         try:
@@ -403,6 +418,8 @@ class Watcher:
                         break
             self.final_read_s = time.time()
             await self.read(client)
+            if tamper == "lost_admission":
+                tampered = self._lose_one_admission()
             live = {
                 r.owner
                 for r in self.records.values()

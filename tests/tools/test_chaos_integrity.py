@@ -53,3 +53,26 @@ def test_the_same_run_untampered_passes(tmp_path: Path) -> None:
     scenario = write_scenario(tmp_path / "plain.yaml", PLAIN)
     done = chaos(scenario, "--out", tmp_path / "out", "--quiet")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    once = _settled_once(tmp_path / "out")
+    assert once["lost_admissions_charged"] == 0
+    assert once["ledger_entries"] == once["settled_once"] == once["admitted"]
+
+
+def test_an_entry_of_an_admission_never_seen_and_nothing_reserved_counts_as_a_lost_admission(
+    tmp_path: Path,
+) -> None:
+    # What a failover that lost an admission's record leaves: the settlement's entry,
+    # nothing reserved, no record ever read. The books count it, and nothing fails.
+    scenario = write_scenario(tmp_path / "plain.yaml", PLAIN)
+    done = chaos(scenario, "--out", tmp_path / "out", "--quiet", "--tamper", "lost_admission")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    once = _settled_once(tmp_path / "out")
+    assert once["lost_admissions_charged"] == 1
+    assert once["ledger_entries"] == once["settled_once"] + 1
+    assert once["duplicates"] == once["settled_without_entry"] == 0
+    assert "lost admissions charged 1" in done.stdout
+
+
+def _settled_once(out: Path) -> dict[str, int]:
+    report = json.loads((out / "integrity.json").read_text())
+    return next(c["figures"] for c in report["checks"] if c["name"] == "settled_exactly_once")
