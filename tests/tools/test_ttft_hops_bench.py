@@ -1,0 +1,29 @@
+"""``bench_ttft_hops.py`` runs end to end: every route measured, Envoy's per-phase timings
+read for each ext_proc route, and the leases route admitting from a block."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_benchmark_measures_every_route_and_every_ext_proc_phase(tmp_path: Path) -> None:
+    out = tmp_path / "hops.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_ttft_hops.py", "--requests", "6", "--rounds", "2",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    routes = json.loads(out.read_text())["routes"]
+    assert set(routes) == {"envoy", "noop", "billing", "leases"}
+    assert {r["requests"] for r in routes.values()} == {6}
+    assert set(routes["envoy"]["phases_ms"].values()) == {None}  # no ext_proc there
+    for name in ("noop", "billing", "leases"):
+        phases = routes[name]["phases_ms"]
+        assert all(v is not None and v > 0 for v in phases.values()), (name, phases)
+    assert routes["leases"]["local_admissions"] > 0
