@@ -1,5 +1,6 @@
 """``bench_ttft_hops.py`` runs end to end: every route measured, Envoy's per-phase timings
-read for each ext_proc route, and the leases route admitting from a block."""
+read for each ext_proc route, and the leases route admitting from a block; and
+``bench_cold_phases.py`` timing every phase of both backends."""
 
 from __future__ import annotations
 
@@ -27,3 +28,15 @@ def test_the_benchmark_measures_every_route_and_every_ext_proc_phase(tmp_path: P
         phases = routes[name]["phases_ms"]
         assert all(v is not None and v > 0 for v in phases.values()), (name, phases)
     assert routes["leases"]["local_admissions"] > 0
+
+
+def test_the_cold_phases_benchmark_times_every_phase_of_both_backends() -> None:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_cold_phases.py", "--exchanges", "8", "--rounds", "2",
+         "--evict-mib", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("redis", "le"))]
+    assert sorted({row[0] for row in rows}) == ["leases", "redis"]
+    assert len(rows) == 2 * 6  # five phases and their sum before the first token, each
