@@ -44,8 +44,9 @@ DEFAULT_PREFIX = "tq"
 TENANT_WIDE = "*"
 PROCESSOR_TAG = "{~p}"
 
-_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
-_ALL_SAFE = re.compile(r"[A-Za-z0-9._-]*\Z")
+_SAFE_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-"
+_SAFE = frozenset(_SAFE_CHARS.encode())
+_ALL_SAFE = re.compile(f"[{re.escape(_SAFE_CHARS)}]*\\Z")
 _KIND_SET = "[a-z_]"  # what a counter kind is made of
 _KIND = re.compile(f"^{_KIND_SET}+$")
 
