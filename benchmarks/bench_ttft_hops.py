@@ -42,20 +42,12 @@ import orjson
 import yaml
 
 from loadlab.figures import table
-from loadlab.gateway import Envoy, Processor, write_config
+from loadlab.gateway import Processor, write_config
 from loadlab.machine import pin_self, pinned
-from loadlab.procs import StopStack, free_ports
+from loadlab.procs import StopStack
 from loadlab.redis_server import RedisServer
-from loadlab.rig import (
-    BENCH_KEY,
-    FILE_ACCESS_LOG_TYPE,
-    MODEL,
-    bootstrap,
-    start_noop_processor,
-    write_bench_config,
-)
+from loadlab.rig import BENCH_KEY, MODEL, start_envoy, start_noop_processor, write_bench_config
 from loadlab.simulator import Simulator
-from stack.envoy import EnvoyPorts
 
 ROUTES = ("envoy", "noop", "billing", "leases")
 EXT_PROC = "envoy.filters.http.ext_proc"
@@ -85,36 +77,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def with_phase_log(doc: dict[str, Any], path: Path) -> dict[str, Any]:
-    """``doc`` (a bootstrap) with one JSON access-log line per request: its ext_proc timings."""
-    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    fields = {key: f"%FILTER_STATE({EXT_PROC}:FIELD:{key})%" for key in PHASES.values()}
-    hcm["typed_config"]["access_log"] = [
-        {
-            "name": "envoy.access_loggers.file",
-            "typed_config": {
-                "@type": FILE_ACCESS_LOG_TYPE,
-                "path": str(path),
-                "log_format": {"json_format": {**fields, "status": "%RESPONSE_CODE%"}},
-            },
-        }
-    ]
-    return doc
-
-
-def start_envoy(
-    logs: Path, name: str, processor_port: int | None, sim_port: int
-) -> tuple[Route, Envoy]:
-    ports = EnvoyPorts(*free_ports(2))
-    access_log = logs / f"phases-{name}.log"
-    doc = with_phase_log(bootstrap(ports, processor_port, sim_port, access_log), access_log)
-    config = logs / f"envoy-{name}.yaml"
-    config.write_text(yaml.safe_dump(doc))
-    # The lines are read after the run: flushed every 100 ms, not 10 s.
-    envoy = Envoy.launch(
-        config, ports, logs / f"envoy-{name}.log", "--file-flush-interval-msec", "100"
-    )
-    return Route(name, ports.listen, access_log), envoy
+# One JSON access-log line per request: the ext_proc filter's own timings.
+PHASE_LOG = {
+    "json_format": {
+        **{key: f"%FILTER_STATE({EXT_PROC}:FIELD:{key})%" for key in PHASES.values()},
+        "status": "%RESPONSE_CODE%",
+    }
+}
 
 
 def one_request(conn: http.client.HTTPConnection, body: bytes) -> float:
@@ -184,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         leases = stops.push(Processor.start(leased, logs, url, prefix=prefix))
         routes: list[Route] = []
         for name, port in zip(ROUTES, (None, noop_port, billing.port, leases.port), strict=True):
-            route, envoy = start_envoy(logs, name, port, sim.port)
+            envoy, access_log = start_envoy(logs, port, sim.port, name, PHASE_LOG)
             stops.push(envoy)
-            routes.append(route)
+            routes.append(Route(name, envoy.ports.listen, access_log))
         conns = {r.name: http.client.HTTPConnection("127.0.0.1", r.port) for r in routes}
         for r in routes:
             for _ in range(WARM_UP):

@@ -107,9 +107,15 @@ def start_noop_processor(
 
 
 def bootstrap(
-    ports: EnvoyPorts, processor_port: int | None, backend_port: int, access_log: Path
+    ports: EnvoyPorts,
+    processor_port: int | None,
+    backend_port: int,
+    access_log: Path,
+    log_format: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The project's bootstrap, plus an access log; without ext_proc when no processor."""
+    """The project's bootstrap, plus an access log (``log_format``, an Envoy
+    ``SubstitutionFormatString``; None: ``ACCESS_LOG_FORMAT``); without ext_proc when no
+    processor."""
     # Without a processor the ext_proc cluster still needs an endpoint to be valid YAML;
     # nothing ever connects to it once the filter is gone.
     doc = yaml.safe_load(render_bootstrap(ports, [processor_port or free_port()], [backend_port]))
@@ -124,7 +130,8 @@ def bootstrap(
             "typed_config": {
                 "@type": FILE_ACCESS_LOG_TYPE,
                 "path": str(access_log),
-                "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}},
+                "log_format": log_format
+                or {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}},
             },
         }
     ]
@@ -132,15 +139,18 @@ def bootstrap(
 
 
 def start_envoy(
-    log_dir: Path, processor_port: int | None, backend_port: int, name: str
+    log_dir: Path,
+    processor_port: int | None,
+    backend_port: int,
+    name: str,
+    log_format: dict[str, Any] | None = None,
 ) -> tuple[Envoy, Path]:
     """An Envoy in front of ``backend_port``; returns it and its access-log path."""
     ports = EnvoyPorts(*free_ports(2))
     access_log = log_dir / f"access-{name}.log"
     config_path = log_dir / f"envoy-{name}.yaml"
-    config_path.write_text(
-        yaml.safe_dump(bootstrap(ports, processor_port, backend_port, access_log))
-    )
+    doc = bootstrap(ports, processor_port, backend_port, access_log, log_format)
+    config_path.write_text(yaml.safe_dump(doc))
     # Access-log lines are read right after each run: flush them every 100 ms, not 10 s.
     envoy = Envoy.launch(
         config_path, ports, log_dir / f"envoy-{name}.log", "--file-flush-interval-msec", "100"
