@@ -529,7 +529,7 @@ class RedisQuotaBackend:
         windows.check_settle(used, token_counters)
         windows.check_reason(reason, output_tokens, used)
         mode = _MODE_SETTLE_SEEN if seen_admitted else _MODE_SETTLE
-        # _run_settle inlined: the hot path's one round trip without another coroutine.
+        # _send_settle inlined: the hot path's one round trip without another coroutine.
         head = [used, mode, RECORD_TTL_S, self.owner_id, reason,
                 -1 if output_tokens is None else output_tokens, cached_tokens]  # fmt: skip
         if seen_admitted and usage is not None:  # no request counters, then the lost tags
@@ -605,21 +605,6 @@ class RedisQuotaBackend:
         now = self.learn_clock(reply[2], reply[3])
         raise WrongWindow(f"quota {operation}: window keys kept missing the server's {now}")
 
-    async def _run_settle(
-        self,
-        operation: str,
-        reservation_key: str,
-        token_counters: tuple[Counter, ...],
-        used: int,
-        mode: int,
-        tombstone_ttl_s: int,
-        reason: str,
-        owner_id: str | None = None,
-    ) -> tuple[Any, str]:
-        head = [used, mode, tombstone_ttl_s, owner_id or self.owner_id, reason, -1, 0]
-        reply = await self._send_settle(operation, reservation_key, token_counters, head)
-        return reply[0], reply[1]
-
     async def _send_settle(
         self,
         operation: str,
@@ -664,16 +649,8 @@ class RedisQuotaBackend:
         """
         if not owner_id:
             raise ValueError("owner_id must be non-empty")
-        code, summary = await self._run_settle(
-            "settle_orphan",
-            reservation_key,
-            (),
-            0,
-            _MODE_ORPHAN,
-            RECORD_TTL_S,
-            "orphaned",
-            owner_id,
-        )
+        head = [0, _MODE_ORPHAN, RECORD_TTL_S, owner_id, "orphaned", -1, 0]
+        code, summary = (await self._send_settle("settle_orphan", reservation_key, (), head))[:2]
         status = _ORPHAN_STATUS[int(code)]
         if status in ("settled", "already_settled"):
             return status, _settlement(int(code), summary)
