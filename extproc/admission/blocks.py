@@ -23,9 +23,11 @@ What stays exact:
   at least two requests) and an open one is returned: the last of a budget goes to exact
   admissions, so utilisation is as without blocks.
 
-Only counters of fixed and calendar windows without shadow rules take blocks (a sliding
-counter's charge stays in its one-second bucket; a shadow counter reports what it would
-have refused, per request).
+Only counters of fixed and calendar windows take blocks (a sliding counter's charge stays
+in its one-second bucket). A shadow counter takes blocks like an enforced one: a take
+refuses on it too, so a request admitted from a block is one the shadow limit would have
+admitted, and near that limit the block goes back and exact admissions report, per
+request, what it would have refused.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ Ident = tuple[tuple[Counter, ...], tuple[Counter, ...]]
 
 def _eligible(request: AdmitRequest) -> bool:
     counters = request.request_counters + request.token_counters
-    return bool(counters) and all(c.shape != "sliding" and not c.shadow for c in counters)
+    return bool(counters) and all(c.shape != "sliding" for c in counters)
 
 
 def _costs(request: AdmitRequest) -> list[int]:

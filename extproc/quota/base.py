@@ -91,9 +91,11 @@ processor held is charged, never free), with its ledger entry.
 * ``take_block(request, requests)`` is ``admit`` on ``request.reservation_key`` (the block
   key), all or none, charging ``requests`` on every request counter and ``request.tokens ×
   max(input weight, output weight)`` on every token counter (so any split of those tokens
-  fits); shadow counters are charged and never refuse. A refusal charges nothing (never
-  counts the attempt; no soft refusal). The record also holds the request slots left
-  (``rq``) and per request counter's window the slots it may give back (``q`` .. window).
+  fits). Every counter refuses, shadow ones too: a block is never taken past a shadow
+  limit, so a request admitted from it is one that limit would have admitted (it reports
+  nothing). A refusal charges nothing (never counts the attempt; no soft refusal). The
+  record also holds the request slots left (``rq``) and per request counter's window the
+  slots it may give back (``q`` .. window).
   ``Block.valid_s``: seconds (server clock) until the first of the charged windows ends (a
   fixed or calendar window's end; a sliding counter's current bucket's end, since a charge
   stays in its bucket). A replay holds nothing usable (``valid_s`` 0: return it).

@@ -32,7 +32,8 @@ BUSY = "blocks-busy"
 CROWD = "blocks-crowd"
 TIGHT = "blocks-tight"
 KILLED = "blocks-killed"
-TENANTS = (BUSY, CROWD, TIGHT, KILLED)
+ROLLOUT = "blocks-rollout"
+TENANTS = (BUSY, CROWD, TIGHT, KILLED, ROLLOUT)
 REQUEST: dict[str, Any] = {
     "model": "gpt-4.1",
     "stream": True,
@@ -41,7 +42,7 @@ REQUEST: dict[str, Any] = {
     "stream_options": {"include_usage": True},
     "messages": [{"role": "user", "content": "admitted from a block"}],
 }
-TOKEN_KINDS = {"tpm", "tenant_tpm", "daily"}
+TOKEN_KINDS = {"tpm", "tenant_tpm", "daily", "shadow_tpm"}
 IDLE_MS = 300
 
 
@@ -56,7 +57,15 @@ def plans() -> dict[str, dict[str, Any]]:
     # Room for a handful of answers: a quarter of it is less than two requests, so no
     # block is ever taken and every admission is exact.
     tight = {"window_s": WINDOW_S, "limits": {"*": {"tpm": 400}}, "batch_tokens": 32}
-    return {BUSY: roomy, CROWD: roomy, KILLED: roomy, TIGHT: tight}
+    # A limit being rolled out in shadow beside the enforced one (docs/limits.md).
+    rollout = {
+        "window_s": WINDOW_S,
+        "limits": {
+            "*": {"tpm": 200_000, "rules": [{"metric": "tokens", "limit": 8_000, "shadow": True}]}
+        },
+        "batch_tokens": 32,
+    }
+    return {BUSY: roomy, CROWD: roomy, KILLED: roomy, TIGHT: tight, ROLLOUT: rollout}
 
 
 def config(path: Path, redis_url: str, **top: Any) -> Path:
@@ -145,6 +154,25 @@ def test_a_busy_tenant_is_admitted_from_its_block_and_the_books_balance(
     block_entries = assert_books(redis_client, BUSY, {f"{BUSY}/{i}" for i in range(20)})
     assert block_entries and {e["reason"] for e in block_entries} == {"returned"}
     assert metric(processor, 'extproc_admission_blocks_total{result="overdrawn"}') == 0
+
+
+def test_a_tenant_with_a_shadow_rule_is_admitted_from_blocks_and_counted_on_both(
+    gateway: Gateway, redis_client: redis.Redis
+) -> None:
+    processor = gateway.processors[0]
+    local_before = metric(processor, "extproc_local_admissions_total")
+    results = asyncio.run(sequential(gateway, ROLLOUT, 20))
+    assert [r.status for r in results] == [200] * 20
+    assert all(r.clean_end and r.content for r in results)
+    assert metric(processor, "extproc_local_admissions_total") - local_before >= 15
+    assert wait_until(lambda: blocks(processor, "returned") == blocks(processor, "taken"), 30)
+    assert_books(redis_client, ROLLOUT, {f"{ROLLOUT}/{i}" for i in range(20)})
+    windows = token_windows(redis_client, ROLLOUT)
+    by_kind = {k: sum(v for key, v in windows.items() if f":c:{k}:" in key) for k in TOKEN_KINDS}
+    # Both limits count every token; far from its limit, the shadow one reported nothing.
+    assert by_kind["shadow_tpm"] == by_kind["tpm"] > 0
+    reports = [n for n, v in processor.metrics().items() if "shadow_violations" in n and v]
+    assert not [n for n in reports if f'plan="{ROLLOUT}"' in n], reports
 
 
 def test_concurrent_streams_share_a_block_exactly(

@@ -137,7 +137,7 @@ def ledger_windows(entries: list[dict[str, str]]) -> dict[str, int]:
     for fields in entries:
         for part in filter(None, fields["windows"].split(";")):
             kind, window_s, start, net = part.split(":")
-            model = fields["model"] if kind == "tpm" else None
+            model = fields["model"] if kind.removeprefix("shadow_") == "tpm" else None
             prefix = keys.counter_key(fields["tenant"], kind, model, int(window_s))  # type: ignore[arg-type]
             total[keys.window_key(prefix, int(start))] += int(net)
     return dict(total)

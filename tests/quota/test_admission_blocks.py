@@ -45,12 +45,22 @@ class Rig:
     """An ``AdmissionBlocks`` over the harness's backend, and the work it spawned."""
 
     def __init__(
-        self, harness: Harness, tenant: str, tpm: int, rpm: int = 10_000, move_delay_s: float = 0
+        self,
+        harness: Harness,
+        tenant: str,
+        tpm: int,
+        rpm: int = 10_000,
+        move_delay_s: float = 0,
+        shadow_tpm: int | None = None,
     ) -> None:
         self.harness = harness
         self.tenant = tenant
         self.rpm = Counter("rpm", keys.counter_key(tenant, "rpm", "m", WINDOW_S), rpm, WINDOW_S)
         self.tpm = Counter("tpm", keys.counter_key(tenant, "tpm", "m", WINDOW_S), tpm, WINDOW_S)
+        self.tokens: tuple[Counter, ...] = (self.tpm,)
+        if shadow_tpm is not None:
+            key = keys.counter_key(tenant, "shadow_tpm", "m", WINDOW_S)
+            self.tokens += (Counter("shadow_tpm", key, shadow_tpm, WINDOW_S, shadow=True),)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.metrics = Metrics()
         backend = harness.backend
@@ -76,7 +86,7 @@ class Rig:
         return AdmitRequest(
             reservation_key=keys.reservation_key(self.tenant, f"req-{i}"),
             request_counters=(self.rpm,),
-            token_counters=(self.tpm,),
+            token_counters=self.tokens,
             tokens=PROMPT + OUTPUT,
             usage=UsageTags("p", "m", f"client-{i}", PROMPT),
         )
@@ -92,21 +102,23 @@ class Rig:
     async def finish(self, i: int, output: int) -> None:
         """The meter's calls for request ``i``: a lease, then the settlement."""
         key = self.request(i).reservation_key
-        await self.blocks.reserve(key, 1, (self.tpm,), OUTPUT)
-        await self.blocks.settle(key, (self.tpm,), PROMPT + output, output_tokens=output)
+        await self.blocks.reserve(key, 1, self.tokens, OUTPUT)
+        await self.blocks.settle(key, self.tokens, PROMPT + output, output_tokens=output)
 
     async def books(self) -> list[dict[str, str]]:
         """Asserts counters == ledger net per window; returns the ledger entries."""
         stream = keys.usage_stream_key(self.request(0).reservation_key)
         entries = [fields for _, fields in await self.harness.ledger(stream)]
-        net: dict[int, int] = {}
+        net: dict[tuple[str, int], int] = {}
         for entry in entries:
             for part in filter(None, entry["windows"].split(";")):
                 kind, _, start, amount = part.split(":")
-                assert kind == "tpm"
-                net[int(start)] = net.get(int(start), 0) + int(amount)
-        windows = await self.harness.windows(self.tpm)
-        assert windows == {s: v for s, v in net.items() if v or s in windows}
+                net[(kind, int(start))] = net.get((kind, int(start)), 0) + int(amount)
+        assert {kind for kind, _ in net} == {c.kind for c in self.tokens}
+        for c in self.tokens:
+            windows = await self.harness.windows(c)
+            ledger = {s: v for (kind, s), v in net.items() if kind == c.kind}
+            assert windows == {s: v for s, v in ledger.items() if v or s in windows}, c.kind
         return entries
 
 
@@ -238,3 +250,37 @@ async def test_a_settlement_and_a_return_right_after_local_admissions_wait_for_t
     ]
     assert rig.metrics.admission_blocks["overdrawn"] == 0
     assert await harness.total(rig.tpm) == 6 * PROMPT
+
+
+async def test_a_shadow_rule_takes_blocks_and_reports_past_its_limit_exactly(
+    harness: Harness,
+) -> None:
+    """A limit rolled out in shadow beside the enforced one: the tenant is still admitted
+    from blocks, and no request a block admitted got past the shadow limit."""
+    await harness.ensure_room(WINDOW_S, 30)
+    # Blocks of min(5 % of 4,000, a quarter left) = 200 tokens: 3 requests of 52 each.
+    rig = Rig(harness, "blk-shadow", tpm=100_000, shadow_tpm=4_000)
+    results = []
+    for i in range(120):  # nothing settled before the end: the counters only grow
+        verdict, here = await rig.admit(i)
+        results.append((verdict, here))
+        await asyncio.sleep(0)
+        if not here:
+            await rig.settle_spawned()
+    assert all(v.admitted for v, _ in results)  # a shadow rule refuses nothing
+    local = [v for v, here in results if here]
+    assert len(local) >= 40 and rig.metrics.local_admissions_total == len(local)
+    assert all(not v.shadow_refused_by for v in local)
+    clean = sum(not v.shadow_refused_by for v, _ in results)
+    reported = sum(v.shadow_refused_by == ("shadow_tpm",) for v, _ in results)
+    assert clean + reported == 120 and reported > 0
+    # Every request admitted without a report was charged within the shadow limit, and
+    # reports came at most a block's worth (3 requests) early.
+    assert 4_000 // (PROMPT + OUTPUT) - 3 <= clean <= 4_000 // (PROMPT + OUTPUT)
+    await asyncio.gather(*(rig.finish(i, 1) for i in range(120)))
+    await rig.blocks.return_all()
+    await rig.settle_spawned()
+    await rig.books()
+    assert rig.metrics.admission_blocks["overdrawn"] == 0
+    for c in rig.tokens:
+        assert await harness.total(c) == 120 * (PROMPT + 1)

@@ -150,23 +150,49 @@ async def test_take_admit_from_and_return_a_block_balance_the_books(harness: Har
 async def test_a_block_without_room_is_refused_and_charges_nothing(harness: Harness) -> None:
     await harness.ensure_room(HOUR, 5)
     rpm, tpm = counter("rpm", 10), counter("tpm", 1000)
-    shadow = Counter("shadow_tpm", counter("shadow_tpm", 10).key, 10, HOUR, shadow=True)
+    shadow = Counter("shadow_tpm", counter("shadow_tpm", 10).key, 600, HOUR, shadow=True)
     for tokens, slots, refused_by in ((1001, 1, "tpm"), (10, 11, "rpm")):
         take = block_request(harness, (rpm,), (tpm, shadow), tokens)
         block = await harness.backend.take_block(take, slots)
         assert not block.verdict.admitted and block.verdict.refused_by == refused_by
         assert (block.valid_s, block.amounts, block.requests) == (0.0, (), 0)
     assert [await harness.total(c) for c in (rpm, tpm, shadow)] == [0, 0, 0]
-    # A shadow counter is charged and never refuses.
     take = block_request(harness, (rpm,), (tpm, shadow), 500)
     block = await harness.backend.take_block(take, 10)
-    assert block.verdict.admitted and block.verdict.shadow_refused_by == ("shadow_tpm",)
+    assert block.verdict.admitted and block.verdict.shadow_refused_by == ()
     assert [await harness.total(c) for c in (rpm, tpm, shadow)] == [10, 500, 500]
     assert (await harness.backend.take_block(take, 10)).verdict.replayed  # charges nothing
     assert [await harness.total(c) for c in (rpm, tpm, shadow)] == [10, 500, 500]
     assert await harness.open_set(open_set_key(take.reservation_key, peer(harness).owner_id)) == {
         take.reservation_key
     }
+
+
+async def test_a_block_is_never_taken_past_a_shadow_limit(harness: Harness) -> None:
+    await harness.ensure_room(HOUR, 5)
+    tpm = counter("tpm", 10_000)
+    shadow = Counter("shadow_tpm", counter("shadow_tpm", 10).key, 600, HOUR, shadow=True)
+    # An admission over the shadow limit is admitted and reports it ...
+    over = request((), (tpm, shadow), 700)
+    verdict = await harness.backend.admit(over)
+    assert verdict.admitted and verdict.shadow_refused_by == ("shadow_tpm",)
+    assert [await harness.total(c) for c in (tpm, shadow)] == [700, 700]
+    await harness.backend.settle(over.reservation_key, (tpm, shadow), 100)
+    # ... a take over it is refused by it, and charges nothing.
+    take = block_request(harness, (), (tpm, shadow), 501)
+    block = await harness.backend.take_block(take, 1)
+    assert not block.verdict.admitted and block.verdict.refused_by == "shadow_tpm"
+    assert [await harness.total(c) for c in (tpm, shadow)] == [100, 100]
+    # Within it, a take is admitted; what it admits reports nothing, and the books balance.
+    take = block_request(harness, (), (tpm, shadow), 500)
+    assert (await harness.backend.take_block(take, 2)).verdict.admitted
+    inside = request((), (tpm, shadow), 500)
+    moved = await harness.backend.admit_from_block(take.reservation_key, inside)
+    assert moved.from_block and moved.shadow_refused_by == ()
+    await harness.backend.settle(inside.reservation_key, (tpm, shadow), 300)
+    await harness.backend.return_block(take.reservation_key, (), (tpm, shadow))
+    assert [await harness.total(c) for c in (tpm, shadow)] == [400, 400]
+    await assert_books_balance(harness, tpm, shadow)
 
 
 async def test_admit_from_block_replays_charge_and_move_nothing(harness: Harness) -> None:

@@ -320,7 +320,7 @@ class MemoryQuotaBackend:
         would: list[CounterKind] = []
         for i, c in enumerate(counters):
             if opened[i].read() + costs[i] > c.limit and moves is None:
-                if c.shadow:
+                if c.shadow and not take:  # a take refuses on it, as admit.lua's does
                     would.append(c.kind)
                 elif refused_by is None:
                     refused_by, refused_at = c.kind, i

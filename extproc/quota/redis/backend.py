@@ -693,7 +693,8 @@ class RedisQuotaBackend:
                 counter_key, shape, a, b = windows.script_window(c, now_s)
                 keys.append(counter_key)
                 args += (c.kind, c.limit, shape, a, b, c.weights[0], c.weights[1])
-                args.append(1 if c.shadow else 0)
+                # A take refuses on a shadow counter too: never a block past a shadow limit.
+                args.append(1 if c.shadow and not take else 0)
             keys += (tenant + ":open", owned_key)
             if block_key is not None:
                 keys.append(block_key)

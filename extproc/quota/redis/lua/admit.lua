@@ -46,8 +46,9 @@
 --
 -- Take mode (an admission block, base.py): the record at KEYS[1] is the block. A request
 -- counter charges the block's requests, a token counter tokens × max(input, output
--- weight); the caller passes count_refused = soft = 0. The record also holds 'rq' (request
--- slots left) and per request counter 'q' .. window key -> slots it can give back.
+-- weight); the caller passes count_refused = soft = 0 and shadow = 0 (a block is never
+-- taken past a shadow limit). The record also holds 'rq' (request slots left) and per
+-- request counter 'q' .. window key -> slots it can give back.
 --
 -- From mode: when the record of KEYS[1] is new and the block (KEYS[n+4]) is admitted,
 -- unsettled, the owner's, with a slot left and at least the request's cost in its field of
