@@ -10,6 +10,7 @@ the ledger's net per window, one ledger entry per request, nothing left open.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Coroutine
 from typing import Any, cast
 
@@ -284,3 +285,55 @@ async def test_a_shadow_rule_takes_blocks_and_reports_past_its_limit_exactly(
     assert rig.metrics.admission_blocks["overdrawn"] == 0
     for c in rig.tokens:
         assert await harness.total(c) == 120 * (PROMPT + 1)
+
+
+async def test_processors_racing_for_blocks_never_take_one_past_a_shadow_limit(
+    harness: Harness,
+) -> None:
+    """Eight processors see the same counters and take blocks at once, each sized from what
+    it saw: together they ask for more than is left. The takes past the shadow limit are
+    refused, so what the blocks admit without a report still fits in it."""
+    await harness.ensure_room(WINDOW_S, 30)
+    limit = 4_000
+    rigs = [Rig(harness, "blk-race", tpm=100_000, shadow_tpm=limit) for _ in range(8)]
+    fill = AdmitRequest(
+        reservation_key=keys.reservation_key("blk-race", "fill"),
+        request_counters=(rigs[0].rpm,),
+        token_counters=rigs[0].tokens,
+        tokens=3_400,
+        usage=UsageTags("p", "m", "fill", 3_400),
+    )
+    assert not (await harness.backend.admit(fill)).shadow_refused_by
+    ids = itertools.count(1)
+    admitted: list[tuple[Rig, int, Verdict, bool]] = []
+
+    async def admit(rig: Rig) -> None:
+        i = next(ids)
+        admitted.append((rig, i, *await rig.admit(i)))
+
+    # One exact admission each, all at once (so each block is sized before any is taken),
+    # then every processor's block taken at once.
+    await asyncio.gather(*(admit(rig) for rig in rigs))
+    assert not any(here for *_, here in admitted)
+    await asyncio.gather(*(rig.settle_spawned() for rig in rigs))
+    taken = sum(rig.metrics.admission_blocks["taken"] for rig in rigs)
+    refused = sum(rig.metrics.admission_blocks["refused"] for rig in rigs)
+    assert taken >= 1 and refused >= 1, (taken, refused)
+    for _ in range(4):
+        for rig in rigs:
+            await admit(rig)
+            await rig.settle_spawned()
+    assert all(v.admitted for _, _, v, _ in admitted)
+    clean = sum(not v.shadow_refused_by for _, _, v, _ in admitted)
+    assert any(here for *_, here in admitted) and clean < len(admitted)
+    # Every token admitted without a report fits in the shadow limit.
+    assert fill.tokens + clean * (PROMPT + OUTPUT) <= limit
+
+    await asyncio.gather(*(rig.finish(i, 1) for rig, i, _, _ in admitted))
+    await harness.backend.settle(fill.reservation_key, rigs[0].tokens, 3_400)
+    for rig in rigs:
+        await rig.blocks.return_all()
+        await rig.settle_spawned()
+    await rigs[0].books()
+    for c in rigs[0].tokens:
+        assert await harness.total(c) == 3_400 + len(admitted) * (PROMPT + 1)
