@@ -36,13 +36,13 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 import structlog
 
 from extproc.admission.retry import NoAnswer, until_answered
-from extproc.config.schema import AdmissionLeaseSpec
+from extproc.config.schema import AdmissionLeaseSpec, PlanSpec
 from extproc.metrics import Metrics
 from extproc.quota import keys
 from extproc.quota.base import (
@@ -84,6 +84,17 @@ Ident = tuple[tuple[Counter, ...], tuple[Counter, ...]]
 def _eligible(request: AdmitRequest) -> bool:
     counters = request.request_counters + request.token_counters
     return bool(counters) and all(c.shape != "sliding" for c in counters)
+
+
+def sliding_plans(plans: Iterable[PlanSpec]) -> list[str]:
+    """The names of ``plans`` with a sliding-window rule: the requests charged on one are
+    always admitted the usual way, with no block."""
+    found = set()
+    for plan in plans:
+        rules = [r for spec in plan.limits.values() for r in spec.rules]
+        if any(r.window.kind == "sliding" for r in (*rules, *plan.tenant_rules)):
+            found.add(plan.name)
+    return sorted(found)
 
 
 def _costs(request: AdmitRequest) -> list[int]:

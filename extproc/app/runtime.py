@@ -10,7 +10,7 @@ from typing import Any
 import structlog
 
 from extproc import __version__
-from extproc.admission.blocks import AdmissionBlocks
+from extproc.admission.blocks import AdmissionBlocks, sliding_plans
 from extproc.admission.gate import Admission
 from extproc.config import Config
 from extproc.exchange.session import OpenSessions, Session
@@ -126,6 +126,7 @@ class Runtime:
         self.quota = AdmissionBlocks(
             self.backend, config.admission_leases, self.metrics, self.spawn, config.key_prefix
         )
+        _report_blockless(config)
         self.admission = self._admission(config, self.registry)
         self.billing = Billing(self.quota, self.metrics, self.spawn)
         self.open_sessions = OpenSessions()
@@ -162,6 +163,7 @@ class Runtime:
         new one, never a mix. Sessions keep the one they started with; the quota backend and
         the prompt-counting pool are shared, not rebuilt."""
         self.quota.settings = config.admission_leases  # turned off: its blocks go back
+        _report_blockless(config)
         admission = self._admission(config, registry)
         admission.prompts.close()  # its thread starts on first use: none was started
         admission.prompts = self.admission.prompts
@@ -200,3 +202,25 @@ class Runtime:
         await self.quota.close()
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.shutdown)  # export what is buffered
+
+
+def _report_blockless(config: Config) -> None:
+    """With ``admission_leases`` on, say which plans never take blocks (a user sees no local
+    admission for them and should know why)."""
+    if not config.admission_leases.enabled:
+        return
+    names = sliding_plans(config.plans.values())
+    # Tenants whose overrides made their plan's limits sliding.
+    tenants = sorted(
+        t.id
+        for t in config.tenants.values()
+        if t.plan.name not in names and sliding_plans([t.plan])
+    )
+    if names or tenants:
+        log.warning(
+            "admission_leases_not_for_sliding_windows",
+            plans=names,
+            tenants=tenants,
+            detail="requests charged on a sliding-window limit are admitted by Redis as "
+            "usual: a block's charge would stay in its bucket",
+        )
