@@ -24,7 +24,7 @@ What stays exact:
   admissions, so utilisation is as without blocks.
 
 Only counters of fixed and calendar windows take blocks (a sliding counter's charge stays
-in its one-second bucket). A shadow counter takes blocks like an enforced one: a take
+in its bucket, often a second). A shadow counter takes blocks like an enforced one: a take
 refuses on it too, so a request admitted from a block is one the shadow limit would have
 admitted, and near that limit the block goes back and exact admissions report, per
 request, what it would have refused.
