@@ -138,40 +138,44 @@ async def sequential(gateway: Gateway, tenant: str, n: int) -> list[StreamResult
     ]
 
 
-def test_a_busy_tenant_is_admitted_from_its_block_and_the_books_balance(
-    gateway: Gateway, redis_client: redis.Redis
-) -> None:
+def served_from_blocks(
+    gateway: Gateway, client: redis.Redis, tenant: str, n: int = 20
+) -> list[dict[str, str]]:
+    """``n`` answers one after another, nearly all admitted from blocks, and the books
+    balanced once the blocks are back; the blocks' ledger entries."""
     processor = gateway.processors[0]
     local_before = metric(processor, "extproc_local_admissions_total")
-    results = asyncio.run(sequential(gateway, BUSY, 20))
-    assert [r.status for r in results] == [200] * 20
+    results = asyncio.run(sequential(gateway, tenant, n))
+    assert [r.status for r in results] == [200] * n
     assert all(r.clean_end and r.content for r in results)
     local = metric(processor, "extproc_local_admissions_total") - local_before
     # The first admission goes to Redis and takes the block; the rest come from blocks
-    # (one more may miss while a spent block is being replaced).
-    assert local >= 15, local
+    # (a few more may miss while a spent block is being replaced).
+    assert local >= n - 5, local
     assert wait_until(lambda: blocks(processor, "returned") == blocks(processor, "taken"), 30)
-    block_entries = assert_books(redis_client, BUSY, {f"{BUSY}/{i}" for i in range(20)})
+    return assert_books(client, tenant, {f"{tenant}/{i}" for i in range(n)})
+
+
+def test_a_busy_tenant_is_admitted_from_its_block_and_the_books_balance(
+    gateway: Gateway, redis_client: redis.Redis
+) -> None:
+    block_entries = served_from_blocks(gateway, redis_client, BUSY)
     assert block_entries and {e["reason"] for e in block_entries} == {"returned"}
+    processor = gateway.processors[0]
     assert metric(processor, 'extproc_admission_blocks_total{result="overdrawn"}') == 0
 
 
 def test_a_tenant_with_a_shadow_rule_is_admitted_from_blocks_and_counted_on_both(
     gateway: Gateway, redis_client: redis.Redis
 ) -> None:
-    processor = gateway.processors[0]
-    local_before = metric(processor, "extproc_local_admissions_total")
-    results = asyncio.run(sequential(gateway, ROLLOUT, 20))
-    assert [r.status for r in results] == [200] * 20
-    assert all(r.clean_end and r.content for r in results)
-    assert metric(processor, "extproc_local_admissions_total") - local_before >= 15
-    assert wait_until(lambda: blocks(processor, "returned") == blocks(processor, "taken"), 30)
-    assert_books(redis_client, ROLLOUT, {f"{ROLLOUT}/{i}" for i in range(20)})
+    served_from_blocks(gateway, redis_client, ROLLOUT)
     windows = token_windows(redis_client, ROLLOUT)
     by_kind = {k: sum(v for key, v in windows.items() if f":c:{k}:" in key) for k in TOKEN_KINDS}
     # Both limits count every token; far from its limit, the shadow one reported nothing.
     assert by_kind["shadow_tpm"] == by_kind["tpm"] > 0
-    reports = [n for n, v in processor.metrics().items() if "shadow_violations" in n and v]
+    metrics = gateway.processors[0].metrics()
+    assert any(f'plan="{ROLLOUT}"' in n for n in metrics)  # its series are labelled so
+    reports = [n for n, v in metrics.items() if "shadow_violations" in n and v]
     assert not [n for n in reports if f'plan="{ROLLOUT}"' in n], reports
 
 
