@@ -41,9 +41,15 @@ from tests.support.client_view import delivered
 from tests.support.quota_views import ledger, live_books
 from tests.support.scripted_upstream import Reply, ScriptedUpstream, usage
 
-ROOMY = {"window_s": WINDOW_S, "limits": {"*": {"tpm": 1_000_000, "rpm": 10_000}}}
+LIMITS = {"tpm": 1_000_000, "rpm": 10_000}
+ROOMY = {"window_s": WINDOW_S, "limits": {"*": LIMITS}}
+# A limit being rolled out in shadow beside the enforced one: its blocks are charged on
+# both counters, and both must balance with the ledger.
+SHADOW_RULE = {"metric": "tokens", "limit": 900_000, "shadow": True}
+ROLLOUT = {"window_s": WINDOW_S, "limits": {"*": {**LIMITS, "rules": [SHADOW_RULE]}}}
+SHADOWED = {"b-lying-low", "b-above-reservation", "b-error-status", "b-hang-up"}
 TENANTS = {
-    name: ROOMY
+    name: ROLLOUT if name in SHADOWED else ROOMY
     for name in (
         "b-gzip",
         "b-lying-low",
@@ -114,8 +120,9 @@ def settled(client: redis.Redis, processor: Processor, tenant: str) -> list[dict
     """The tenant's request entries not made to take a block, once every block went back
     and the books balance (counters == ledger, block entries included)."""
     assert wait_until(lambda: blocks(processor, "returned") == blocks(processor, "taken"), 30)
-    counters, listed = live_books(client, tenant, "tpm")
-    assert counters == listed and counters
+    for kind in ("tpm", "shadow_tpm") if tenant in SHADOWED else ("tpm",):
+        counters, listed = live_books(client, tenant, kind)
+        assert counters == listed and counters, kind
     entries = ledger(client, tenant)
     returned = [e for e in entries if e["request_id"].startswith("~block.")]
     assert returned and {e["reason"] for e in returned} == {"returned"}
