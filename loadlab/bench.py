@@ -76,6 +76,11 @@ def run_parser() -> argparse.ArgumentParser:
     g.add_argument("--routes", type=_csv(str, "routes"), help="direct,envoy,noop,processor")
     g.add_argument("--charge-modes", type=_csv(str, "charge_modes"))
     g.add_argument("--batch-tokens", type=_csv(int, "batch_tokens"))
+    g.add_argument(
+        "--admission-leases",
+        action=argparse.BooleanOptionalAction,
+        help="the processor admits from blocks held in process (its admission_leases)",
+    )
     g.add_argument("--budget-tpm", type=int, help="a TPM budget on the processor routes")
     g.add_argument("--window-s", type=int, help="the budget's window (default 60)")
     g.add_argument(
@@ -163,6 +168,7 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     put(None, "routes", args.routes)
     put("processor", "charge_modes", args.charge_modes)
     put("processor", "batch_tokens", args.batch_tokens)
+    put("processor", "admission_leases", args.admission_leases)
     budget_flags = {"tpm": args.budget_tpm, "window_s": args.window_s,
                     "window": args.window, "bucket_s": args.bucket_s}  # fmt: skip
     if any(v is not None for v in budget_flags.values()):
@@ -319,6 +325,7 @@ def processor_figures(metrics: dict[str, float]) -> dict[str, Any]:
     waited = metrics.get("extproc_events_waited_total", 0.0)
     return {
         "admitted": int(metrics.get("extproc_requests_admitted_total", 0)),
+        "admitted_from_blocks": int(metrics.get("extproc_local_admissions_total", 0)),
         "refused": int(metrics.get("extproc_requests_refused_total", 0)),
         "sse_events": int(events),
         "events_waited_on_redis": int(waited),

@@ -75,17 +75,17 @@ def processor_config(path: Path, scenario: Scenario, redis_url: str) -> Path:
         for l_index in range(len(scenario.levels) + 1):  # the last one: warm-up requests
             key = tenant_key(variant, l_index)
             tenants[tenant_id(v_index, l_index)] = {"plan": plan, "key_sha256": [key_hash(key)]}
-    return write_config(
-        path,
-        {
-            "redis_url": redis_url,
-            "models": MODELS,
-            "plans": plans,
-            "tenants": tenants,
-            "stream_idle_timeout_s": 120,
-            "refund_wait_ms": 0,  # a refusal is a figure here, not something to wait out
-        },
-    )
+    doc: dict[str, Any] = {
+        "redis_url": redis_url,
+        "models": MODELS,
+        "plans": plans,
+        "tenants": tenants,
+        "stream_idle_timeout_s": 120,
+        "refund_wait_ms": 0,  # a refusal is a figure here, not something to wait out
+    }
+    if scenario.admission_leases:
+        doc["admission_leases"] = {"enabled": True}
+    return write_config(path, doc)
 
 
 def simulator_args(scenario: Scenario) -> list[str]:

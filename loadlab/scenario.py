@@ -150,6 +150,8 @@ class Scenario:
     charge_modes: tuple[str, ...] = ("incremental",)
     batch_tokens: tuple[int, ...] = (32,)
     budget: Budget | None = None
+    # The processor admits from blocks held in process (its ``admission_leases``)
+    admission_leases: bool = False
     # Load
     mode: str = "closed"
     levels: tuple[float, ...] = (1, 10, 50)
@@ -237,6 +239,7 @@ class Scenario:
                 "charge_modes": list(self.charge_modes),
                 "batch_tokens": list(self.batch_tokens),
                 "budget": None if self.budget is None else self.budget.to_doc(),
+                "admission_leases": self.admission_leases,
             },
             "load": {
                 "mode": self.mode,
@@ -405,7 +408,11 @@ def parse_scenario(doc: object, base: Scenario | None = None) -> Scenario:
         if len(set(routes)) != len(routes):
             raise ScenarioError("routes", f"lists a route twice: {routes}")
         changes["routes"] = tuple(routes)
-    proc = _mapping(top.get("processor"), "processor", {"charge_modes", "batch_tokens", "budget"})
+    proc = _mapping(
+        top.get("processor"),
+        "processor",
+        {"charge_modes", "batch_tokens", "budget", "admission_leases"},
+    )
     if "charge_modes" in proc:
         changes["charge_modes"] = tuple(
             dict.fromkeys(
@@ -420,6 +427,13 @@ def parse_scenario(doc: object, base: Scenario | None = None) -> Scenario:
                 for b in _list(proc["batch_tokens"], "processor.batch_tokens")
             )
         )
+    if "admission_leases" in proc:
+        if not isinstance(proc["admission_leases"], bool):
+            raise ScenarioError(
+                "processor.admission_leases",
+                f"must be true or false, got {proc['admission_leases']!r}",
+            )
+        changes["admission_leases"] = proc["admission_leases"]
     if "budget" in proc:
         if proc["budget"] is None:
             changes["budget"] = None
@@ -572,6 +586,10 @@ def check(s: Scenario) -> Scenario:
     if s.ceiling is not None and s.targets:
         raise ScenarioError(
             "load.ceiling", "not with a target: it compares the routes started here"
+        )
+    if s.admission_leases and s.targets:
+        raise ScenarioError(
+            "processor.admission_leases", "not with a target: no processor is started here"
         )
     if s.budget is not None and "processor" not in s.routes:
         raise ScenarioError("processor.budget", "needs the processor route in routes")

@@ -31,6 +31,11 @@ BAD_FILES = [
     ({**TINY, "simulator": {"itl_ms": 10, "itl_std_ms": 5}}, "simulator.itl_std_ms"),
     ({**TINY, "processor": {"budget": {"window_s": 5}}}, "processor.budget.tpm"),
     ({**TINY, "processor": {"charge_modes": ["postpaid"]}}, "processor.charge_modes"),
+    ({**TINY, "processor": {"admission_leases": "yes"}}, "processor.admission_leases"),
+    (
+        {**TINY, "target": {"url": "http://127.0.0.1:1"}, "processor": {"admission_leases": True}},
+        "processor.admission_leases",
+    ),
     ({**TINY, "routes": ["direct"], "processor": {"budget": {"tpm": 10}}}, "processor.budget"),
     ({**TINY, "target": {"url": "ftp://gw.example"}}, "target.url"),
     ({**TINY, "target": {"model": "m"}}, "target.url"),
