@@ -1,21 +1,25 @@
 """TTFT at one stream, hop by hop: what each ext_proc phase adds, by Envoy's own clock.
 
 Issue 24's target 4 is "TTFT added at 1 stream ≤ Envoy alone + 1 ms while the tenant has
-room". This splits that figure by phase. Four routes over one llmsim (no TTFT of its own,
+room". This splits that figure by phase. Five routes over one llmsim (no TTFT of its own,
 8-token answers) are run one request at a time, in alternating rounds (ABCD, DCBA, …), so
 a change in the machine's load hits every route alike:
 
 * ``envoy``: Envoy without ext_proc, the baseline;
 * ``noop``: Envoy + the no-op FDX processor (``loadlab.noop_processor``): the grpc.aio floor;
 * ``billing``: Envoy + this processor on a real redis-server (one admit round trip);
-* ``leases``: the same with ``admission_leases`` on (admitted from a block held in process).
+* ``leases``: the same with ``admission_leases`` on (admitted from a block held in process);
+* ``noop-body-only``: the no-op with both header phases skipped (``SKIP``), what a processor
+  reads of them given as attributes on the body messages instead (the path, the method and
+  the API key; the status): what two round trips fewer would buy.
 
 Per route: time to the first body byte (TTFB) at the client, p50 over the rounds, and what
 it adds over ``envoy``; and Envoy's own per-phase latency of the ext_proc stream from its
 access log (``%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:...)%``): request headers
 (the first message, which opens the gRPC stream), request body (admission), response
-headers. ``--pin CPU`` runs the processors alone on that CPU and everything else (this
-client, Envoy, llmsim, Redis) on the others: a sidecar with a core of its own.
+headers (``noop-body-only``: the body alone, which opens the stream). ``--pin CPU`` runs
+the processors alone on that CPU and everything else (this client, Envoy, llmsim, Redis) on
+the others: a sidecar with a core of its own.
 
     .venv/bin/python benchmarks/bench_ttft_hops.py [--requests 300] [--rounds 4] [--pin 1]
 
@@ -49,13 +53,21 @@ from loadlab.redis_server import RedisServer
 from loadlab.rig import BENCH_KEY, MODEL, start_envoy, start_noop_processor, write_bench_config
 from loadlab.simulator import Simulator
 
-ROUTES = ("envoy", "noop", "billing", "leases")
+ROUTES = ("envoy", "noop", "billing", "leases", "noop-body-only")
 EXT_PROC = "envoy.filters.http.ext_proc"
 PHASES = {
     "request headers": "request_header_latency_us",
     "request body": "request_body_total_latency_us",
     "response headers": "response_header_latency_us",
 }
+# Both header phases skipped; what the processor needs of them rides on the body messages.
+BODY_ONLY = {
+    "processing_mode": {"request_header_mode": "SKIP", "response_header_mode": "SKIP"},
+    "request_attributes": [
+        "request.path", "request.method", "request.headers['authorization']",
+    ],
+    "response_attributes": ["response.code"],
+}  # fmt: skip
 WARM_UP = 30  # requests per route before the rounds: connections, caches, the tenant's keys
 
 
@@ -152,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         billing = stops.push(Processor.start(plain, logs, url, prefix=prefix))
         leases = stops.push(Processor.start(leased, logs, url, prefix=prefix))
         routes: list[Route] = []
-        for name, port in zip(ROUTES, (None, noop_port, billing.port, leases.port), strict=True):
-            envoy, access_log = start_envoy(logs, port, sim.port, name, PHASE_LOG)
+        ports = (None, noop_port, billing.port, leases.port, noop_port)
+        for name, port in zip(ROUTES, ports, strict=True):
+            ext_proc = BODY_ONLY if name == "noop-body-only" else None
+            envoy, access_log = start_envoy(logs, port, sim.port, name, PHASE_LOG, ext_proc)
             stops.push(envoy)
             routes.append(Route(name, envoy.ports.listen, access_log))
         conns = {r.name: http.client.HTTPConnection("127.0.0.1", r.port) for r in routes}
@@ -207,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "met" if added <= 1.0 else "MISSED"
     print(f"TTFT added with admission leases ≤ Envoy alone + 1 ms: {verdict} ({added:+.2f} ms)")
     print(f"the no-op's own hop: {summary['noop']['added_ms']:+.2f} ms")
+    print(f"… without its header phases: {summary['noop-body-only']['added_ms']:+.2f} ms")
     if args.json is not None:
         args.json.write_bytes(orjson.dumps({"pin": args.pin, "load": load, "routes": summary}))
     return 0

@@ -33,6 +33,7 @@ BENCH_KEY = "sk-bench-tenant"
 # Roomy: the benchmarks measure the processor's cost, never a refusal or a cut-off.
 ROOMY = 10**12
 MODEL = "gpt-4.1"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 MODELS: dict[str, Any] = {
     MODEL: {
         "aliases": ["gpt-4.1-2025-04-14", "my-gpt-alias"],
@@ -121,9 +122,7 @@ def bootstrap(
     doc = yaml.safe_load(render_bootstrap(ports, [processor_port or free_port()], [backend_port]))
     hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     if processor_port is None:
-        hcm["http_filters"] = [
-            f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
-        ]
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != EXT_PROC_FILTER]
     hcm["access_log"] = [
         {
             "name": "envoy.access_loggers.file",
@@ -144,12 +143,25 @@ def start_envoy(
     backend_port: int,
     name: str,
     log_format: dict[str, Any] | None = None,
+    ext_proc: dict[str, Any] | None = None,
 ) -> tuple[Envoy, Path]:
-    """An Envoy in front of ``backend_port``; returns it and its access-log path."""
+    """An Envoy in front of ``backend_port``; returns it and its access-log path.
+
+    ``ext_proc``: keys set over the ext_proc filter's config (a processing mode of its own,
+    attributes), each ``processing_mode`` key over the project's."""
     ports = EnvoyPorts(*free_ports(2))
     access_log = log_dir / f"access-{name}.log"
     config_path = log_dir / f"envoy-{name}.yaml"
     doc = bootstrap(ports, processor_port, backend_port, access_log, log_format)
+    if ext_proc is not None:
+        hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        [wrapper] = [f for f in hcm["typed_config"]["http_filters"] if f["name"] == EXT_PROC_FILTER]
+        config = wrapper["typed_config"]["extension_config"]["typed_config"]
+        for key, value in ext_proc.items():
+            if key == "processing_mode":
+                config[key] = {**config[key], **value}
+            else:
+                config[key] = value
     config_path.write_text(yaml.safe_dump(doc))
     # Access-log lines are read right after each run: flush them every 100 ms, not 10 s.
     envoy = Envoy.launch(
