@@ -23,8 +23,10 @@ What stays exact:
   at least two requests) and an open one is returned: the last of a budget goes to exact
   admissions, so utilisation is as without blocks.
 
-Only counters of fixed and calendar windows take blocks (a sliding counter's charge stays
-in its bucket, often a second). A shadow counter takes blocks like an enforced one: a take
+Counters of fixed and calendar windows take blocks, and sliding ones whose buckets last
+``MIN_SLIDING_BUCKET_S`` or more: a sliding counter's charge stays in its bucket, so its
+block is used until that bucket ends (a second by default for a minute-long window: too
+short to be worth a take). A shadow counter takes blocks like an enforced one: a take
 refuses on it too, so a request admitted from a block is one the shadow limit would have
 admitted, and near that limit the block goes back and exact admissions report, per
 request, what it would have refused.
@@ -76,6 +78,9 @@ COOLDOWN_S = 1.0
 REAP_INTERVAL_S = 0.1
 CLOSE_RETURN_S = 2.0
 LEASE_WAIT_S = 2.0
+# A sliding counter's block lasts until its bucket ends, and none is taken in the last
+# MIN_VALID_S of one: buckets shorter than this would have it spend its life being retaken.
+MIN_SLIDING_BUCKET_S = 10
 
 
 Ident = tuple[tuple[Counter, ...], tuple[Counter, ...]]
@@ -83,16 +88,30 @@ Ident = tuple[tuple[Counter, ...], tuple[Counter, ...]]
 
 def _eligible(request: AdmitRequest) -> bool:
     counters = request.request_counters + request.token_counters
-    return bool(counters) and all(c.shape != "sliding" for c in counters)
+    return bool(counters) and all(
+        c.shape != "sliding" or c.bucket_s >= MIN_SLIDING_BUCKET_S for c in counters
+    )
+
+
+def _usable_s(counter: Counter, state: CounterState) -> float:
+    """Seconds a block taken now could be used on ``counter``: until its window ends, or a
+    sliding counter's bucket (its state's reset is one window after that bucket's end)."""
+    if counter.shape == "sliding":
+        return state.reset_s - counter.window_s
+    return state.reset_s
 
 
 def sliding_plans(plans: Iterable[PlanSpec]) -> list[str]:
-    """The names of ``plans`` with a sliding-window rule: the requests charged on one are
-    always admitted the usual way, with no block."""
+    """The names of ``plans`` with a sliding-window rule in buckets under
+    ``MIN_SLIDING_BUCKET_S``: the requests charged on one are always admitted the usual
+    way, with no block."""
     found = set()
     for plan in plans:
         rules = [r for spec in plan.limits.values() for r in spec.rules]
-        if any(r.window.kind == "sliding" for r in (*rules, *plan.tenant_rules)):
+        if any(
+            r.window.kind == "sliding" and r.window.bucket_s < MIN_SLIDING_BUCKET_S
+            for r in (*rules, *plan.tenant_rules)
+        ):
             found.add(plan.name)
     return sorted(found)
 
@@ -236,7 +255,9 @@ class AdmissionBlocks:
         Per counter, at most ``fraction`` of its limit and a quarter of what is left; worth
         at least ``MIN_REQUESTS`` requests like this one."""
         counters = request.request_counters + request.token_counters
-        if len(states) != len(counters) or any(s.reset_s < MIN_VALID_S for s in states):
+        if len(states) != len(counters) or any(
+            _usable_s(c, s) < MIN_VALID_S for c, s in zip(counters, states, strict=True)
+        ):
             return None
         share = [
             min(int(c.limit * self.settings.fraction), s.remaining // LEFT_SHARE)

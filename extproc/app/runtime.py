@@ -10,7 +10,7 @@ from typing import Any
 import structlog
 
 from extproc import __version__
-from extproc.admission.blocks import AdmissionBlocks, sliding_plans
+from extproc.admission.blocks import MIN_SLIDING_BUCKET_S, AdmissionBlocks, sliding_plans
 from extproc.admission.gate import Admission
 from extproc.config import Config
 from extproc.exchange.session import OpenSessions, Session
@@ -221,6 +221,7 @@ def _report_blockless(config: Config) -> None:
             "admission_leases_not_for_sliding_windows",
             plans=names,
             tenants=tenants,
-            detail="requests charged on a sliding-window limit are admitted by Redis as "
-            "usual: a block's charge would stay in its bucket",
+            min_bucket_s=MIN_SLIDING_BUCKET_S,
+            detail="requests charged on a sliding-window limit in buckets under min_bucket_s "
+            "are admitted by Redis as usual: a block's charge would stay in its bucket",
         )

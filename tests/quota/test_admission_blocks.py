@@ -19,11 +19,14 @@ from extproc.config.schema import AdmissionLeaseSpec
 from extproc.metrics import Metrics
 from extproc.quota import keys
 from extproc.quota.base import AdmitRequest, Counter, QuotaBackend, UsageTags, Verdict
-from tests.quota.conftest import Harness
+from tests.quota.conftest import Clocked, Harness
 
 WINDOW_S = 3600
 PROMPT = 20
 OUTPUT = 32  # the first lease admission reserves
+
+
+_probes = itertools.count()
 
 
 class SlowMoves:
@@ -53,11 +56,18 @@ class Rig:
         rpm: int = 10_000,
         move_delay_s: float = 0,
         shadow_tpm: int | None = None,
+        sliding: tuple[int, int] | None = None,
     ) -> None:
+        """``sliding``: (window_s, bucket_s) of a sliding tpm counter (None: a fixed hour)."""
         self.harness = harness
         self.tenant = tenant
         self.rpm = Counter("rpm", keys.counter_key(tenant, "rpm", "m", WINDOW_S), rpm, WINDOW_S)
         self.tpm = Counter("tpm", keys.counter_key(tenant, "tpm", "m", WINDOW_S), tpm, WINDOW_S)
+        if sliding is not None:
+            window_s, bucket_s = sliding
+            span = keys.window_span("sliding", window_s, bucket_s)
+            key = keys.counter_key(tenant, "tpm", "m", window_s, span=span)
+            self.tpm = Counter("tpm", key, tpm, window_s, shape="sliding", bucket_s=bucket_s)
         self.tokens: tuple[Counter, ...] = (self.tpm,)
         if shadow_tpm is not None:
             key = keys.counter_key(tenant, "shadow_tpm", "m", WINDOW_S)
@@ -106,6 +116,18 @@ class Rig:
         await self.blocks.reserve(key, 1, self.tokens, OUTPUT)
         await self.blocks.settle(key, self.tokens, PROMPT + output, output_tokens=output)
 
+    async def held(self, c: Counter) -> int:
+        """What a counter holds now, as the backend tells an admission of nothing on it."""
+        probe = AdmitRequest(
+            reservation_key=keys.reservation_key(self.tenant, f"probe-{next(_probes)}"),
+            request_counters=(),
+            token_counters=(c,),
+            tokens=0,
+            usage=UsageTags("p", "m", "probe", 0),
+        )
+        [state] = (await self.harness.backend.admit(probe)).states
+        return state.limit - state.remaining
+
     async def books(self) -> list[dict[str, str]]:
         """Asserts counters == ledger net per window; returns the ledger entries."""
         stream = keys.usage_stream_key(self.request(0).reservation_key)
@@ -117,6 +139,10 @@ class Rig:
                 net[(kind, int(start))] = net.get((kind, int(start)), 0) + int(amount)
         assert {kind for kind, _ in net} == {c.kind for c in self.tokens}
         for c in self.tokens:
+            if c.shape == "sliding":  # one hash of buckets: what it holds in all
+                held = sum(v for (kind, _), v in net.items() if kind == c.kind)
+                assert await self.held(c) == held, c.kind
+                continue
             windows = await self.harness.windows(c)
             ledger = {s: v for (kind, s), v in net.items() if kind == c.kind}
             assert windows == {s: v for s, v in ledger.items() if v or s in windows}, c.kind
@@ -337,3 +363,81 @@ async def test_processors_racing_for_blocks_never_take_one_past_a_shadow_limit(
     await rigs[0].books()
     for c in rigs[0].tokens:
         assert await harness.total(c) == 3_400 + len(admitted) * (PROMPT + 1)
+
+
+async def test_a_sliding_hour_in_minute_buckets_takes_blocks_and_its_books_balance(
+    harness: Harness,
+) -> None:
+    """A block of a sliding counter is charged in the current bucket and used until that
+    bucket ends: requests admitted from it count there, as if admitted one by one."""
+    await harness.ensure_room(60, 10)  # the test's calls stay in one bucket (well under 1 s)
+    rig = Rig(harness, "blk-sliding", tpm=100_000, sliding=(3600, 60))
+    verdict, here = await rig.admit(0)
+    assert verdict.admitted and not here
+    await rig.settle_spawned()
+    assert rig.metrics.admission_blocks["taken"] == 1
+    results = [await rig.admit(i) for i in range(1, 11)]
+    assert all(v.admitted and here for v, here in results)
+    await asyncio.gather(*(rig.finish(i, output=10 + i) for i in range(11)))
+    await rig.blocks.return_all()
+    await rig.settle_spawned()
+    await rig.books()
+    assert await rig.held(rig.tpm) == sum(PROMPT + 10 + i for i in range(11))
+    assert rig.metrics.admission_blocks["overdrawn"] == 0
+
+
+async def test_a_sliding_limit_admitted_from_blocks_is_never_exceeded(harness: Harness) -> None:
+    """Requests that use all they reserved, one after another, until the sliding limit
+    refuses: blocks admit many of them, and no more is admitted than the limit holds."""
+    await harness.ensure_room(60, 10)
+    limit = 4_000
+    rig = Rig(harness, "blk-sliding-tight", tpm=limit, sliding=(3600, 60))
+    admitted, local = 0, 0
+    for i in range(120):
+        verdict, here = await rig.admit(i)
+        if not verdict.admitted:
+            break
+        admitted += 1
+        local += here
+        await rig.finish(i, OUTPUT)  # every token reserved is used
+        await rig.settle_spawned()
+    else:
+        raise AssertionError("the limit never refused")
+    assert local >= 20 and admitted * (PROMPT + OUTPUT) <= limit
+    # Exact admissions took what the blocks left: the limit is used to the last request.
+    assert admitted == limit // (PROMPT + OUTPUT)
+    await rig.blocks.return_all()
+    await rig.settle_spawned()
+    await rig.books()
+    assert await rig.held(rig.tpm) == admitted * (PROMPT + OUTPUT)
+
+
+async def test_sliding_buckets_under_ten_seconds_take_no_block(harness: Harness) -> None:
+    rig = Rig(harness, "blk-sliding-fine", tpm=100_000, sliding=(600, 5))
+    for i in range(5):
+        verdict, here = await rig.admit(i)
+        assert verdict.admitted and not here
+        await rig.settle_spawned()
+    assert rig.metrics.admission_blocks["taken"] == 0
+    assert rig.metrics.local_admissions_total == 0
+
+
+async def test_no_block_is_taken_in_a_sliding_bucket_s_last_seconds(clocked: Clocked) -> None:
+    """A sliding counter's block would be used only until its bucket ends: with less than
+    MIN_VALID_S of it left none is taken, and the next bucket takes one."""
+    rig = Rig(cast(Harness, clocked), "blk-bucket-end", tpm=100_000, sliding=(600, 10))
+    now = await clocked.now()
+    # 8.x s into a bucket: its last 2 s, whatever real time passes in this test's calls.
+    await clocked.travel_to(now - now % 10 + 10 + 8)
+    verdict, here = await rig.admit(0)
+    assert verdict.admitted and not here
+    await rig.settle_spawned()
+    assert rig.metrics.admission_blocks["taken"] == 0
+    assert rig.metrics.admission_blocks["refused"] == 0  # not asked for: nothing charged
+    await clocked.shift(3)  # 1.x s into the next bucket
+    verdict, here = await rig.admit(1)
+    assert verdict.admitted and not here
+    await rig.settle_spawned()
+    assert rig.metrics.admission_blocks["taken"] == 1
+    await rig.blocks.return_all()
+    await rig.settle_spawned()

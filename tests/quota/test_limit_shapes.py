@@ -9,92 +9,20 @@ bucket every charge went to), so no assertion depends on how fast the test runs.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import random
-from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
-import redis.asyncio as aioredis
 
 from extproc.quota.base import AdmitRequest, Counter, UsageTags
 from extproc.quota.calendar import calendar_bounds
 from extproc.quota.keys import counter_key, reservation_key, usage_stream_key, window_span
-from extproc.quota.memory.backend import MemoryQuotaBackend
-from extproc.quota.redis.backend import TEST_CLOCK_ENV, RedisQuotaBackend
-from loadlab.redis_server import RedisServer
-from tests.quota.conftest import FakeClock
+from tests.quota.conftest import Clocked
 
-CLOCK_KEY = "test:clock"
 _ids = itertools.count()
-
-
-class Clocked:
-    """A backend and a clock the test moves by whole seconds."""
-
-    def __init__(self, name: str, backend: MemoryQuotaBackend | RedisQuotaBackend) -> None:
-        self.name = name
-        self.backend = backend
-        self.plain: aioredis.Redis | None = None
-        self.clock: FakeClock | None = None
-
-    async def now(self) -> float:
-        if self.clock is not None:
-            return self.clock.now
-        assert self.plain is not None
-        seconds, micros = await self.plain.time()
-        shift = int(await self.plain.get(CLOCK_KEY) or 0)
-        return seconds + shift + micros / 1e6
-
-    async def shift(self, seconds: int) -> None:
-        if self.clock is not None:
-            self.clock.now += seconds
-        else:
-            assert self.plain is not None
-            await self.plain.incrby(CLOCK_KEY, seconds)
-
-    async def travel_to(self, target: float) -> None:
-        """Move the clock to ``target`` give or take the sub-second part (Redis keeps its
-        real microseconds): to ``floor(target) + 0.x``."""
-        now = await self.now()
-        await self.shift(int(target) - int(now))
-
-    async def room_in_second(self, need: float = 0.6) -> None:
-        """Redis's own microseconds move on: keep a test's calls inside one second."""
-        if self.clock is None and (await self.now()) % 1 > 1 - need:
-            await self.shift(1)
-            now = await self.now()
-            while now % 1 > 1 - need:  # real time: wait out the rest of this second
-                await asyncio.sleep(0.02)
-                now = await self.now()
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def clocked(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> AsyncIterator[Clocked]:
-    if request.param == "memory":
-        clock = FakeClock(1_700_000_000.25)
-        c = Clocked("memory", MemoryQuotaBackend(clock=clock))
-        c.clock = clock
-        yield c
-        await c.backend.close()
-        return
-    server: RedisServer = request.getfixturevalue("redis_server")
-    plain = aioredis.Redis(port=server.port, decode_responses=True)
-    await plain.flushall()
-    await plain.set(CLOCK_KEY, 0)
-    monkeypatch.setenv(TEST_CLOCK_ENV, CLOCK_KEY)
-    c = Clocked("redis", RedisQuotaBackend.from_url(server.url))
-    c.plain = plain
-    try:
-        yield c
-    finally:
-        await c.backend.close()
-        await plain.aclose()
 
 
 def sliding(kind: str, limit: int, window_s: int = 10, bucket_s: int = 1, **kw: Any) -> Counter:
