@@ -155,6 +155,13 @@ def served_from_blocks(
 ) -> list[dict[str, str]]:
     """``n`` answers one after another, nearly all admitted from blocks, and the books
     balanced once the blocks are back; the blocks' ledger entries."""
+    serve_from_blocks(gateway, tenant, n)
+    return assert_books(client, tenant, {f"{tenant}/{i}" for i in range(n)})
+
+
+def serve_from_blocks(gateway: Gateway, tenant: str, n: int) -> None:
+    """``n`` answers one after another, nearly all admitted from blocks; then every block
+    is back."""
     processor = gateway.processors[0]
     local_before = metric(processor, "extproc_local_admissions_total")
     results = asyncio.run(sequential(gateway, tenant, n))
@@ -165,7 +172,6 @@ def served_from_blocks(
     # (a few more may miss while a spent block is being replaced).
     assert local >= n - 5, local
     assert wait_until(lambda: blocks(processor, "returned") == blocks(processor, "taken"), 30)
-    return assert_books(client, tenant, {f"{tenant}/{i}" for i in range(n)})
 
 
 def test_a_busy_tenant_is_admitted_from_its_block_and_the_books_balance(
@@ -200,15 +206,8 @@ def test_a_tenant_on_a_sliding_hour_is_admitted_from_blocks_and_the_books_balanc
     left = 60 - (seconds % 60 + micros / 1e6)
     if left < 15:
         time.sleep(left + 0.05)
-    processor = gateway.processors[0]
-    local_before = metric(processor, "extproc_local_admissions_total")
     n = 20
-    results = asyncio.run(sequential(gateway, SLIDING, n))
-    assert [r.status for r in results] == [200] * n
-    assert all(r.clean_end and r.content for r in results)
-    local = metric(processor, "extproc_local_admissions_total") - local_before
-    assert local >= n - 5, local
-    assert wait_until(lambda: blocks(processor, "returned") == blocks(processor, "taken"), 30)
+    serve_from_blocks(gateway, SLIDING, n)
     entries = ledger(redis_client, SLIDING)
     requests = [e["client_request_id"] for e in entries if not e["request_id"].startswith("~")]
     assert sorted(requests) == sorted(f"{SLIDING}/{i}" for i in range(n))

@@ -175,16 +175,20 @@ async def test_after_one_admission_the_next_come_from_a_block_and_the_books_bala
     assert rig.metrics.admission_blocks["overdrawn"] == 0
 
 
-async def test_near_its_limit_a_tenant_takes_no_block(harness: Harness) -> None:
-    await harness.ensure_room(WINDOW_S, 30)
-    # 5 % of 400 is 20 tokens: not two requests of 52.
-    rig = Rig(harness, "blk-tight", tpm=400)
-    for i in range(3):
+async def assert_no_block_taken(rig: Rig, n: int) -> None:
+    """``n`` requests, each admitted by the backend, and no block taken after any."""
+    for i in range(n):
         verdict, here = await rig.admit(i)
         assert verdict.admitted and not here
         await rig.settle_spawned()
     assert rig.metrics.admission_blocks["taken"] == 0
     assert rig.metrics.local_admissions_total == 0
+
+
+async def test_near_its_limit_a_tenant_takes_no_block(harness: Harness) -> None:
+    await harness.ensure_room(WINDOW_S, 30)
+    # 5 % of 400 is 20 tokens: not two requests of 52.
+    await assert_no_block_taken(Rig(harness, "blk-tight", tpm=400), 3)
 
 
 async def test_a_replay_of_a_key_admitted_here_is_the_backend_s_replay(harness: Harness) -> None:
@@ -413,13 +417,7 @@ async def test_a_sliding_limit_admitted_from_blocks_is_never_exceeded(harness: H
 
 
 async def test_sliding_buckets_under_ten_seconds_take_no_block(harness: Harness) -> None:
-    rig = Rig(harness, "blk-sliding-fine", tpm=100_000, sliding=(600, 5))
-    for i in range(5):
-        verdict, here = await rig.admit(i)
-        assert verdict.admitted and not here
-        await rig.settle_spawned()
-    assert rig.metrics.admission_blocks["taken"] == 0
-    assert rig.metrics.local_admissions_total == 0
+    await assert_no_block_taken(Rig(harness, "blk-sliding-fine", tpm=100_000, sliding=(600, 5)), 5)
 
 
 async def test_no_block_is_taken_in_a_sliding_bucket_s_last_seconds(clocked: Clocked) -> None:
