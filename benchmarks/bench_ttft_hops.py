@@ -50,11 +50,17 @@ from loadlab.gateway import Processor, write_config
 from loadlab.machine import pin_self, pinned
 from loadlab.procs import StopStack
 from loadlab.redis_server import RedisServer
-from loadlab.rig import BENCH_KEY, MODEL, start_envoy, start_noop_processor, write_bench_config
+from loadlab.rig import (
+    BENCH_KEY,
+    EXT_PROC_FILTER,
+    MODEL,
+    start_envoy,
+    start_noop_processor,
+    write_bench_config,
+)
 from loadlab.simulator import Simulator
 
 ROUTES = ("envoy", "noop", "billing", "leases", "noop-body-only")
-EXT_PROC = "envoy.filters.http.ext_proc"
 PHASES = {
     "request headers": "request_header_latency_us",
     "request body": "request_body_total_latency_us",
@@ -92,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # One JSON access-log line per request: the ext_proc filter's own timings.
 PHASE_LOG = {
     "json_format": {
-        **{key: f"%FILTER_STATE({EXT_PROC}:FIELD:{key})%" for key in PHASES.values()},
+        **{key: f"%FILTER_STATE({EXT_PROC_FILTER}:FIELD:{key})%" for key in PHASES.values()},
         "status": "%RESPONSE_CODE%",
     }
 }

@@ -78,8 +78,9 @@ COOLDOWN_S = 1.0
 REAP_INTERVAL_S = 0.1
 CLOSE_RETURN_S = 2.0
 LEASE_WAIT_S = 2.0
-# A sliding counter's block lasts until its bucket ends, and none is taken in the last
-# MIN_VALID_S of one: buckets shorter than this would have it spend its life being retaken.
+# Sliding counters take blocks only in buckets this long: a block lasts until its bucket
+# ends and none is taken in a bucket's last MIN_VALID_S, so in shorter buckets it would be
+# taken again every few seconds.
 MIN_SLIDING_BUCKET_S = 10
 
 
