@@ -303,6 +303,12 @@ def _float(value: object, key: str, minimum: float = 0.0, positive: bool = False
     return value
 
 
+def _bool(value: object, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ScenarioError(key, f"must be true or false, got {value!r}")
+    return value
+
+
 def _str(value: object, key: str) -> str:
     if not isinstance(value, str) or not value:
         raise ScenarioError(key, f"must be a non-empty string, got {value!r}")
@@ -428,12 +434,7 @@ def parse_scenario(doc: object, base: Scenario | None = None) -> Scenario:
             )
         )
     if "admission_leases" in proc:
-        if not isinstance(proc["admission_leases"], bool):
-            raise ScenarioError(
-                "processor.admission_leases",
-                f"must be true or false, got {proc['admission_leases']!r}",
-            )
-        changes["admission_leases"] = proc["admission_leases"]
+        changes["admission_leases"] = _bool(proc["admission_leases"], "processor.admission_leases")
     if "budget" in proc:
         if proc["budget"] is None:
             changes["budget"] = None
@@ -451,11 +452,7 @@ def parse_scenario(doc: object, base: Scenario | None = None) -> Scenario:
     if "api" in load:
         changes["api"] = _choice(load["api"], "load.api", APIS)
     if "ignore_eos" in load:
-        if not isinstance(load["ignore_eos"], bool):
-            raise ScenarioError(
-                "load.ignore_eos", f"must be true or false, got {load['ignore_eos']!r}"
-            )
-        changes["ignore_eos"] = load["ignore_eos"]
+        changes["ignore_eos"] = _bool(load["ignore_eos"], "load.ignore_eos")
     if "interleave" in load:
         changes["interleave"] = (
             None if load["interleave"] is None else _int(load["interleave"], "load.interleave", 1)
