@@ -26,6 +26,7 @@ from loadlab.simulator import Simulator
 from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import WINDOW_S, tenant_key, write_processor_config
 from tests.gateway.test_ledger import ledger_windows
+from tests.support.quota_views import counter_total, ledger_net
 
 MODELS = {"gpt-4.1": {"tokenizer": "o200k_base", "max_tokens": 4096}}
 PREFIX = "tq"
@@ -35,7 +36,8 @@ TIGHT = "blocks-tight"
 KILLED = "blocks-killed"
 ROLLOUT = "blocks-rollout"
 SLIDING = "blocks-sliding"
-TENANTS = (BUSY, CROWD, TIGHT, KILLED, ROLLOUT, SLIDING)
+KILLED_SLIDING = "blocks-killed-sliding"
+TENANTS = (BUSY, CROWD, TIGHT, KILLED, ROLLOUT, SLIDING, KILLED_SLIDING)
 REQUEST: dict[str, Any] = {
     "model": "gpt-4.1",
     "stream": True,
@@ -76,7 +78,7 @@ def plans() -> dict[str, dict[str, Any]]:
     }
     return {
         BUSY: roomy, CROWD: roomy, KILLED: roomy, TIGHT: tight, ROLLOUT: rollout,
-        SLIDING: sliding,
+        SLIDING: sliding, KILLED_SLIDING: sliding,
     }  # fmt: skip
 
 
@@ -126,6 +128,20 @@ def token_windows(client: redis.Redis, tenant: str) -> dict[str, int]:
     return out
 
 
+def token_total(client: redis.Redis, tenant: str) -> int:
+    """What the tenant's token counters hold in all, fixed windows and sliding hashes."""
+    return sum(counter_total(client, tenant, kind) for kind in TOKEN_KINDS)
+
+
+def bucket_ahead(need_s: float = 20, bucket_s: int = 60) -> None:
+    """Wait, if need be, until ``need_s`` of the current sliding bucket lie ahead: a block is
+    used until its bucket ends, and none is taken in a bucket's last seconds. (The test's
+    redis-server runs on this host: its ``TIME`` is this clock.)"""
+    left = bucket_s - time.time() % bucket_s
+    if left < need_s:
+        time.sleep(left + 0.05)
+
+
 def open_count(client: redis.Redis, tenant: str) -> int:
     return int(client.get(keys.open_count_key(keys.reservation_key(tenant, "x", PREFIX))) or 0)
 
@@ -138,6 +154,19 @@ def assert_books(client: redis.Redis, tenant: str, requests: set[str]) -> list[d
     windows = token_windows(client, tenant)
     assert windows, "no counter was charged"
     assert windows == {k: v for k, v in ledger_windows(entries).items() if k in windows or v}
+    assert open_count(client, tenant) == 0
+    return [e for e in entries if e["request_id"].startswith("~block.")]
+
+
+def assert_sliding_books(
+    client: redis.Redis, tenant: str, requests: set[str]
+) -> list[dict[str, str]]:
+    """``assert_books`` for a tenant on sliding windows: each counter is one hash of buckets,
+    and its live buckets' sum is what the ledger's entries net."""
+    entries = ledger(client, tenant)
+    by_request = [e for e in entries if not e["request_id"].startswith("~block.")]
+    assert sorted(e["client_request_id"] for e in by_request) == sorted(requests)
+    assert counter_total(client, tenant, "tpm") == ledger_net(entries, "tpm") > 0
     assert open_count(client, tenant) == 0
     return [e for e in entries if e["request_id"].startswith("~block.")]
 
@@ -200,28 +229,14 @@ def test_a_tenant_with_a_shadow_rule_is_admitted_from_blocks_and_counted_on_both
 def test_a_tenant_on_a_sliding_hour_is_admitted_from_blocks_and_the_books_balance(
     gateway: Gateway, redis_client: redis.Redis
 ) -> None:
-    # A block is used until its bucket ends: start with most of a bucket ahead, so the
-    # answers below are not split by a bucket's end (that only sends a few to Redis).
-    seconds, micros = redis_client.time()
-    left = 60 - (seconds % 60 + micros / 1e6)
-    if left < 15:
-        time.sleep(left + 0.05)
+    # The answers below in one bucket (a bucket's end only sends a few of them to Redis).
+    bucket_ahead()
     n = 20
     serve_from_blocks(gateway, SLIDING, n)
-    entries = ledger(redis_client, SLIDING)
-    requests = [e["client_request_id"] for e in entries if not e["request_id"].startswith("~")]
-    assert sorted(requests) == sorted(f"{SLIDING}/{i}" for i in range(n))
-    assert {e["reason"] for e in entries if e["request_id"].startswith("~")} == {"returned"}
-    # The sliding counter is one hash of buckets and their sum: the sum is the ledger's net.
-    [key] = redis_client.scan_iter(match=f"{keys.tenant_tag(SLIDING, PREFIX)}:c:tpm:*")
-    net = sum(
-        int(part.rsplit(":", 1)[1])
-        for e in entries
-        for part in filter(None, e["windows"].split(";"))
-        if part.startswith("tpm:")
+    block_entries = assert_sliding_books(
+        redis_client, SLIDING, {f"{SLIDING}/{i}" for i in range(n)}
     )
-    assert int(redis_client.hget(key, "sum") or 0) == net > 0
-    assert open_count(redis_client, SLIDING) == 0
+    assert block_entries and {e["reason"] for e in block_entries} == {"returned"}
 
 
 def test_concurrent_streams_share_a_block_exactly(
@@ -270,7 +285,9 @@ def test_near_its_limit_a_tenant_takes_no_block_and_is_refused_exactly(
     assert sum(token_windows(redis_client, TIGHT).values()) <= 400
 
 
+@pytest.mark.parametrize("tenant", [KILLED, KILLED_SLIDING], ids=["fixed", "sliding"])
 def test_a_killed_processor_s_block_is_charged_by_a_peer_never_free(
+    tenant: str,
     tmp_path: Path,
     redis_server: RedisServer,
     redis_client: redis.Redis,
@@ -282,26 +299,29 @@ def test_a_killed_processor_s_block_is_charged_by_a_peer_never_free(
     doc = path.read_text().replace(f"idle_ms: {IDLE_MS}", "idle_ms: 600000")
     path.write_text(doc)
     assert "idle_ms: 600000" in path.read_text()
+    if tenant == KILLED_SLIDING:
+        bucket_ahead()  # the block lives on until the kill
     victim = Processor.start(path, tmp_path, redis_server.url)
     envoy = Envoy.start(tmp_path, [victim.port], [simulators[0].port])
     peer: Processor | None = None
+    books = assert_sliding_books if tenant == KILLED_SLIDING else assert_books
     try:
         gw = Gateway(envoy, [victim])
-        results = asyncio.run(sequential(gw, KILLED, 6))
+        results = asyncio.run(sequential(gw, tenant, 6))
         assert [r.status for r in results] == [200] * 6
         assert metric(victim, "extproc_local_admissions_total") >= 3
         assert blocks(victim, "taken") >= 1 and blocks(victim, "returned") == 0
         # The answers are settled; only the block is open.
-        assert wait_until(lambda: open_count(redis_client, KILLED) == blocks(victim, "taken"), 10)
-        held = sum(token_windows(redis_client, KILLED).values())
+        assert wait_until(lambda: open_count(redis_client, tenant) == blocks(victim, "taken"), 10)
+        held = token_total(redis_client, tenant)
         victim.process.signal(signal.SIGKILL)
         victim.process.proc.wait(10)
         peer = Processor.start(path, tmp_path, redis_server.url)
-        assert wait_until(lambda: open_count(redis_client, KILLED) == 0, 30)
-        block_entries = assert_books(redis_client, KILLED, {f"{KILLED}/{i}" for i in range(6)})
+        assert wait_until(lambda: open_count(redis_client, tenant) == 0, 30)
+        block_entries = books(redis_client, tenant, {f"{tenant}/{i}" for i in range(6)})
         assert block_entries and {e["reason"] for e in block_entries} == {"orphaned"}
         # Nothing of the block came back: the counters hold what they held at the kill.
-        assert sum(token_windows(redis_client, KILLED).values()) == held
+        assert token_total(redis_client, tenant) == held
     finally:
         envoy.stop()
         victim.stop()

@@ -25,7 +25,7 @@ from loadlab.gateway import Gateway, Processor, start_gateway, wait_until
 from loadlab.redis_server import RedisServer
 from loadlab.sse_client import StreamResult, stream_http1
 from tests.gateway.conftest import WINDOW_S, tenant_key, write_processor_config
-from tests.gateway.test_admission_leases import blocks, metric
+from tests.gateway.test_admission_leases import blocks, bucket_ahead, metric
 from tests.gateway.test_upstream_integrity import (
     MESSAGES,
     MODELS,
@@ -38,7 +38,7 @@ from tests.gateway.test_upstream_integrity import (
     read_until,
 )
 from tests.support.client_view import delivered
-from tests.support.quota_views import ledger, live_books
+from tests.support.quota_views import counter_total, ledger, ledger_net, live_books
 from tests.support.scripted_upstream import Reply, ScriptedUpstream, usage
 
 LIMITS = {"tpm": 1_000_000, "rpm": 10_000}
@@ -48,8 +48,11 @@ ROOMY = {"window_s": WINDOW_S, "limits": {"*": LIMITS}}
 SHADOW_RULE = {"metric": "tokens", "limit": 900_000, "shadow": True}
 ROLLOUT = {"window_s": WINDOW_S, "limits": {"*": {**LIMITS, "rules": [SHADOW_RULE]}}}
 SHADOWED = {"b-lying-low", "b-above-reservation", "b-error-status", "b-hang-up"}
+# An hour's sliding window in minute buckets: its blocks live until their bucket ends.
+SLIDING_HOUR = {"window": "sliding", "window_s": 3600, "limits": {"*": LIMITS}}
+SLIDING = {"b-gzip", "b-prompt-free", "b-function-call"}
 TENANTS = {
-    name: ROLLOUT if name in SHADOWED else ROOMY
+    name: ROLLOUT if name in SHADOWED else SLIDING_HOUR if name in SLIDING else ROOMY
     for name in (
         "b-gzip",
         "b-lying-low",
@@ -103,6 +106,8 @@ def from_a_block(
     for _ in range(ATTEMPTS):
         # No block held: the next admission is exact and takes one.
         assert wait_until(lambda: blocks(processor, "returned") == blocks(processor, "taken"), 30)
+        if tenant in SLIDING:
+            bucket_ahead()  # none is taken in a bucket's last seconds
         taken = blocks(processor, "taken")
         upstream.reply = honest
         warm = asyncio.run(stream_http1(url, tenant_key(tenant), payload, {"x-request-id": "warm"}))
@@ -120,10 +125,13 @@ def settled(client: redis.Redis, processor: Processor, tenant: str) -> list[dict
     """The tenant's request entries not made to take a block, once every block went back
     and the books balance (counters == ledger, block entries included)."""
     assert wait_until(lambda: blocks(processor, "returned") == blocks(processor, "taken"), 30)
-    for kind in ("tpm", "shadow_tpm") if tenant in SHADOWED else ("tpm",):
-        counters, listed = live_books(client, tenant, kind)
-        assert counters == listed and counters, kind
     entries = ledger(client, tenant)
+    if tenant in SLIDING:  # one hash of buckets: its live buckets' sum is the ledger's net
+        assert counter_total(client, tenant, "tpm") == ledger_net(entries, "tpm") > 0
+    else:
+        for kind in ("tpm", "shadow_tpm") if tenant in SHADOWED else ("tpm",):
+            counters, listed = live_books(client, tenant, kind)
+            assert counters == listed and counters, kind
     returned = [e for e in entries if e["request_id"].startswith("~block.")]
     assert returned and {e["reason"] for e in returned} == {"returned"}
     assert metric(processor, 'extproc_admission_blocks_total{result="overdrawn"}') == 0
